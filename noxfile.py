@@ -1,0 +1,347 @@
+"""Development sessions for the HyperParallel monorepo.
+
+Packages are found by globbing ``packages/*/pyproject.toml``; adding a package needs no edit
+here. A dependency whose name is another package of this repository is a *local* dependency and
+is installed from its folder in development mode (``pip install -e``), transitively.
+
+    nox -s tests                          # every package, one virtualenv each
+    nox -s "tests(pkg='hp-dtensor')"      # one package; extra pytest args after "--"
+    nox -s lint                           # ruff + import-linter layering contracts
+    nox -s demo                           # torchrun --standalone --nproc_per_node=4 the demo
+    nox -s bench                          # every benchmarks/<package>/*.py script
+
+Virtualenvs use pip (virtualenv backend) so that pip's machine configuration (local wheels,
+mirrors) applies. torch is always installed first and pinned to the CPU build: a looser
+requirement can make pip fetch a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox runs on 3.11 here
+    import tomli as tomllib
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "virtualenv"  # pip, so pip's machine config applies
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests", "lint"]
+
+ROOT = Path(__file__).resolve().parent
+TORCH = "torch==2.13.0"  # the CPU build lies on local disk; never let pip resolve torch freely
+TEST_TOOLS = ["pytest", "pytest-timeout"]
+LINT_TOOLS = ["ruff==0.17.6", "import-linter==2.17"]  # pinned: new rules must not break CI
+PYTEST_TIMEOUT_S = 600  # per test; hp_testing has its own, shorter, per-call timeouts
+
+
+# --------------------------------------------------------------------------------------------
+# Package discovery
+# --------------------------------------------------------------------------------------------
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if not match:
+        raise ValueError(f"cannot read a project name from requirement {requirement!r}")
+    return _normalize(match.group(1))
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str  # normalized distribution name, e.g. "hp-dtensor"
+    path: Path
+    import_names: tuple[str, ...]  # top-level import packages, e.g. ("hp_dtensor",)
+    requires: tuple[str, ...]  # [project].dependencies
+    test_requires: tuple[str, ...]  # [project.optional-dependencies].test
+    build_backend: str
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+
+def _discover() -> dict[str, Package]:
+    found: dict[str, Package] = {}
+    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text())
+        project = data.get("project", {})
+        if "name" not in project:
+            continue
+        path = pyproject.parent
+        name = _normalize(project["name"])
+        src = path / "src"
+        imports = tuple(
+            sorted(p.parent.name for p in src.glob("*/__init__.py")) if src.is_dir() else ()
+        ) or (name.replace("-", "_"),)
+        found[name] = Package(
+            name=name,
+            path=path,
+            import_names=imports,
+            requires=tuple(project.get("dependencies", [])),
+            test_requires=tuple(project.get("optional-dependencies", {}).get("test", [])),
+            build_backend=data.get("build-system", {}).get("build-backend", ""),
+        )
+    return found
+
+
+PACKAGES = _discover()
+
+
+def _local(requirements: Iterable[str]) -> list[str]:
+    return [n for n in (_requirement_name(r) for r in requirements) if n in PACKAGES]
+
+
+def _external(requirements: Iterable[str]) -> list[str]:
+    return [r for r in requirements if _requirement_name(r) not in PACKAGES]
+
+
+def _with_local_deps(names: Iterable[str]) -> list[str]:
+    """``names`` and their local runtime dependencies, transitively; dependencies first."""
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in order:
+            return
+        if name in path:
+            raise ValueError("local dependency cycle: " + " -> ".join((*path, name)))
+        for dep in _local(PACKAGES[name].requires):
+            visit(dep, (*path, name))
+        order.append(name)
+
+    for name in names:
+        visit(name, ())
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# Installing
+# --------------------------------------------------------------------------------------------
+
+
+def _constraints(session: nox.Session) -> list[str]:
+    """``-c file`` pinning torch, so no later install can swap in another (CUDA) build."""
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text(TORCH + "\n")
+    return ["-c", str(path)]
+
+
+def _install_with_torch(session: nox.Session, packages: list[str], extra: list[str]) -> None:
+    """torch first (pinned), then numpy and ``extra``, then ``-e`` of the local packages."""
+    pin = _constraints(session)
+    session.install(TORCH, *pin)
+    session.install("numpy", *extra, *pin)  # torch does not install numpy
+    editable = [arg for name in packages for arg in ("-e", PACKAGES[name].rel)]
+    if editable:
+        session.install(*editable, *pin)
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------------------------
+
+
+@nox.session
+@nox.parametrize("pkg", sorted(PACKAGES))
+def tests(session: nox.Session, pkg: str) -> None:
+    """Run one package's tests in its own virtualenv (``nox -s tests`` runs them all)."""
+    package = PACKAGES[pkg]
+    tests_dir = package.path / "tests"
+    if not tests_dir.is_dir():
+        session.error(f"{package.rel} has no tests/ folder: every package needs tests")
+    local = _with_local_deps([*_local(package.requires), *_local(package.test_requires), pkg])
+    _install_with_torch(session, local, [*TEST_TOOLS, *_external(package.test_requires)])
+    try:
+        session.run(
+            "pytest",
+            tests_dir.relative_to(ROOT).as_posix(),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={PYTEST_TIMEOUT_S}",
+            *session.posargs,
+        )
+    except CommandFailed as exc:
+        if getattr(exc, "return_code", None) == 5:  # pytest: no tests collected
+            session.error(f"pytest collected no tests in {package.rel}/tests: an empty suite fails")
+        raise
+
+
+# Layering (docs: ARCHITECTURE.md). Rows run from top to bottom; a lower row may not import a
+# higher one, and packages within a row may not import each other (hp_pipeline reaches hp_fsdp
+# only through a protocol it defines itself, so it must not import hp_fsdp).
+LAYERS: list[list[str]] = [
+    ["hyperparallel"],
+    ["hp_trainer"],
+    ["hp_fsdp", "hp_optim", "hp_pipeline", "hp_moe", "hp_offload", "hp_dcp"],
+    ["hp_dtensor", "hp_kernels"],
+]
+FOUNDATIONS = ["hp_dtensor", "hp_kernels"]
+DEV_ONLY = "hp_testing"
+# External frameworks only the backend binding may import.
+BINDING_ONLY = {"hp_dtensor": ("hp_dtensor._backend", ["mindspore", "torch_npu"])}
+
+
+def _contract(key: str, name: str, kind: str, **fields: list[str] | str) -> str:
+    lines = [f"[importlinter:contract:{key}]", f"name = {name}", f"type = {kind}"]
+    for field, value in fields.items():
+        if isinstance(value, list):
+            lines.append(f"{field} =" + "".join(f"\n    {item}" for item in value))
+        else:
+            lines.append(f"{field} = {value}")
+    return "\n".join(lines)
+
+
+def importlinter_config(roots: list[str]) -> str:
+    """import-linter contracts for the root packages that exist (unknown names break it)."""
+    present = set(roots)
+    sections = [
+        "[importlinter]\nroot_packages ="
+        + "".join(f"\n    {r}" for r in sorted(roots))
+        + "\ninclude_external_packages = True"
+    ]
+    rows = [[p for p in row if p in present] for row in LAYERS]
+    rows = [row for row in rows if row]
+    if len(rows) > 1 or (rows and len(rows[0]) > 1):
+        sections.append(
+            _contract(
+                "layers",
+                "Layers: hyperparallel > hp_trainer > feature packages > foundations",
+                "layers",
+                layers=[" | ".join(row) for row in rows],
+            )
+        )
+    foundations = [p for p in FOUNDATIONS if p in present]
+    others = sorted(present - set(foundations))
+    if foundations and (others or len(foundations) > 1):
+        sections.append(
+            _contract(
+                "foundations",
+                "Foundations import no other hp_* package (nor each other)",
+                "forbidden",
+                source_modules=foundations,
+                forbidden_modules=sorted(present),
+            )
+        )
+    runtime = sorted(present - {DEV_ONLY})
+    if DEV_ONLY in present and runtime:
+        sections.append(
+            _contract(
+                "dev-only",
+                f"No runtime package imports {DEV_ONLY}",
+                "forbidden",
+                source_modules=runtime,
+                forbidden_modules=[DEV_ONLY],
+            )
+        )
+        sections.append(
+            _contract(
+                "dev-only-deps",
+                f"{DEV_ONLY} depends on torch only, no other hp_* package",
+                "forbidden",
+                source_modules=[DEV_ONLY],
+                forbidden_modules=runtime,
+            )
+        )
+    for package, (binding, frameworks) in BINDING_ONLY.items():
+        if package in present:
+            sections.append(
+                _contract(
+                    f"{package}-binding",
+                    f"Only {binding} imports {', '.join(frameworks)}",
+                    "forbidden",
+                    source_modules=[package],
+                    forbidden_modules=frameworks,
+                    ignore_imports=[
+                        f"{b} -> {fw}" for fw in frameworks for b in (binding, f"{binding}.**")
+                    ],
+                    unmatched_ignore_imports_alerting="none",
+                )
+            )
+    return "\n\n".join(sections) + "\n"
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the sources, then import-linter contracts for the layering."""
+    session.install(*LINT_TOOLS)
+    # Import-scanning needs the packages findable, not their dependencies: no torch here.
+    # Compiled packages (non-hatchling backends) are put on PYTHONPATH instead of built.
+    pure = [p for p in PACKAGES.values() if p.build_backend.startswith("hatchling")]
+    editable = [arg for p in pure for arg in ("-e", p.rel)]
+    if editable:
+        session.install("--no-deps", *editable)
+    compiled = [str(p.path / "src") for p in PACKAGES.values() if p not in pure]
+    env = {"PYTHONPATH": os.pathsep.join(compiled)} if compiled else {}
+
+    failed = []
+    paths = [p for p in ("packages", "benchmarks", "examples", "noxfile.py") if (ROOT / p).exists()]
+    try:
+        session.run("ruff", "check", *paths, *session.posargs)
+    except CommandFailed:
+        failed.append("ruff")
+
+    roots = sorted({name for p in PACKAGES.values() for name in p.import_names})
+    layered = {p for row in LAYERS for p in row} | {DEV_ONLY}
+    for root in roots:
+        if root not in layered:
+            session.warn(f"{root} is in no layer: add it to LAYERS in noxfile.py")
+    text = importlinter_config(roots)
+    if "[importlinter:contract:" not in text:
+        session.log("import-linter: no contract applies to the packages present; skipped")
+    else:
+        config = Path(session.create_tmp()) / "importlinter.ini"
+        config.write_text(text)
+        session.log(f"import-linter contracts generated in {config}")
+        try:
+            session.run("lint-imports", str(config), "--no-cache", env=env)
+        except CommandFailed:
+            failed.append("import-linter")
+    if failed:
+        session.error("failed: " + ", ".join(failed))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: the DTensor demo on 4 CPU ranks under torchrun."""
+    script = ROOT / "examples" / "dtensor_demo.py"
+    if not script.exists():
+        session.skip(f"{script.relative_to(ROOT)} does not exist yet")
+    _install_with_torch(session, _with_local_deps(["hp-dtensor"]), [])
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node=4",
+        script.relative_to(ROOT).as_posix(),
+        *session.posargs,
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every CPU benchmark script, benchmarks/<package>/*.py (files named _* are helpers)."""
+    scripts = sorted(p for p in ROOT.glob("benchmarks/*/*.py") if not p.name.startswith("_"))
+    if not scripts:
+        session.skip("no benchmarks/<package>/*.py scripts yet")
+    _install_with_torch(session, _with_local_deps(sorted(PACKAGES)), [])
+    failed = []
+    for script in scripts:
+        try:
+            session.run("python", script.relative_to(ROOT).as_posix(), *session.posargs)
+        except CommandFailed:
+            failed.append(script.relative_to(ROOT).as_posix())
+    if failed:
+        session.error("benchmarks failed: " + ", ".join(failed))

@@ -1,0 +1,82 @@
+"""hp_dtensor: HyperParallel's foundation.
+
+Backend seam and process groups, ``DeviceMesh``, placements, ``Layout``, ``DTensor`` with
+redistribution and sharding-rule dispatch, distributed random numbers and deferred
+initialisation. See the package README for an example.
+"""
+
+from ._backend import Platform, available_platforms, get_platform, register_platform
+from ._dtensor import DTensor, distribute_module, distribute_tensor
+from ._groups import (
+    destroy_process_group,
+    get_backend,
+    get_group_local_rank,
+    get_process_group_ranks,
+    init_process_group,
+    new_group,
+    split_group,
+)
+from ._init import init_empty_weights, init_on_device, init_parameters
+from ._layout import Layout
+from ._mesh import DeviceMesh, init_device_mesh
+from ._placement import Partial, Placement, Replicate, Shard
+from ._plan import RedistributePlan, Step, plan_redistribute
+from ._random import manual_seed
+from ._rules import Call, Strategy, TensorMeta, register_sharding_rule, registered_ops
+from ._shard_math import chunk_size_and_offset, local_shape_and_offset
+from ._spec import DTensorSpec
+from .errors import (
+    BackendError,
+    HPDTensorError,
+    LayoutError,
+    MeshError,
+    PlacementError,
+    ShardingError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "Call",
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "HPDTensorError",
+    "Layout",
+    "LayoutError",
+    "MeshError",
+    "Partial",
+    "Placement",
+    "Platform",
+    "PlacementError",
+    "RedistributePlan",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "Step",
+    "Strategy",
+    "TensorMeta",
+    "available_platforms",
+    "chunk_size_and_offset",
+    "destroy_process_group",
+    "distribute_module",
+    "distribute_tensor",
+    "get_backend",
+    "get_group_local_rank",
+    "get_platform",
+    "get_process_group_ranks",
+    "init_device_mesh",
+    "init_empty_weights",
+    "init_on_device",
+    "init_parameters",
+    "init_process_group",
+    "local_shape_and_offset",
+    "manual_seed",
+    "new_group",
+    "plan_redistribute",
+    "register_platform",
+    "register_sharding_rule",
+    "registered_ops",
+    "split_group",
+]

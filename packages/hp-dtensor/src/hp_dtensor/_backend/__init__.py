@@ -1,0 +1,131 @@
+"""The backend seam: one small ``Platform`` protocol, one implementation per framework.
+
+Everything framework-specific that hp_dtensor needs (collectives, groups, devices, streams,
+tensor factories) goes through a ``Platform``. The torch implementation covers CPU (gloo), CUDA
+(NCCL) and Ascend NPU (HCCL through torch_npu, imported only when an NPU is asked for). A
+MindSpore implementation plugs in under the name ``"mindspore"``.
+
+Selection is explicit and lazy: ``get_platform(device_type)`` picks by the mesh's device type
+unless the ``HP_BACKEND`` environment variable names a backend; nothing is imported or patched
+until a platform is first asked for, and frameworks are never tried in turn.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import BackendError
+
+__all__ = ["Platform", "get_platform", "register_platform", "available_platforms"]
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """What hp_dtensor needs from a framework. Collectives take a framework process group."""
+
+    name: str
+
+    # devices ----------------------------------------------------------------------------
+    def default_device_type(self) -> str:
+        """The device type to use when none is given (``"cuda"`` when available, else ``"cpu"``)."""
+
+    def device_for_rank(self, device_type: str) -> Any:
+        """The device this process should use for ``device_type`` (sets it current)."""
+
+    def default_comm_backend(self, device_type: str) -> str:
+        """The collective library for a device type (``gloo``, ``nccl``, ``hccl``)."""
+
+    # process groups -----------------------------------------------------------------------
+    def is_initialized(self) -> bool: ...
+    def init_process_group(
+        self, backend: str | None, timeout_s: float, device_type: str
+    ) -> None: ...
+    def destroy_process_group(self, group: Any = None) -> None: ...
+    def get_rank(self, group: Any = None) -> int: ...
+    def get_world_size(self, group: Any = None) -> int: ...
+    def new_group(self, ranks: list[int], timeout_s: float | None = None) -> Any: ...
+    def group_ranks(self, group: Any) -> list[int]: ...
+    def group_backend(self, group: Any) -> str: ...
+
+    # collectives ----------------------------------------------------------------------------
+    def all_gather_into(self, out: Any, inp: Any, group: Any, async_op: bool = False) -> Any: ...
+    def reduce_scatter_into(
+        self, out: Any, inp: Any, op: str, group: Any, async_op: bool = False
+    ) -> Any: ...
+    def all_reduce(self, t: Any, op: str, group: Any, async_op: bool = False) -> Any: ...
+    def all_to_all(
+        self,
+        out: Any,
+        inp: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        async_op: bool = False,
+    ) -> Any: ...
+    def broadcast(self, t: Any, src: int, group: Any, async_op: bool = False) -> Any: ...
+    def barrier(self, group: Any = None) -> None: ...
+
+    # streams and events ------------------------------------------------------------------
+    def new_stream(self, device: Any) -> Any: ...
+    def current_stream(self, device: Any) -> Any: ...
+    def new_event(self, device: Any) -> Any: ...
+    def synchronize(self, device: Any) -> None: ...
+
+
+# name -> "module:attribute"; plugins add entries with register_platform.
+_REGISTRY: dict[str, str] = {
+    "torch": "hp_dtensor._backend._torch:TorchPlatform",
+    "mindspore": "hp_dtensor._backend._mindspore:MindSporePlatform",
+}
+_DEVICE_TYPE_BACKEND = {"cpu": "torch", "cuda": "torch", "npu": "torch", "meta": "torch"}
+_INSTANCES: dict[str, Platform] = {}
+
+
+def register_platform(name: str, target: str, *, device_types: tuple[str, ...] = ()) -> None:
+    """Register a backend as ``"module:Class"``; optionally make it the default for device types."""
+    _REGISTRY[name] = target
+    for dt in device_types:
+        _DEVICE_TYPE_BACKEND[dt] = name
+    _INSTANCES.pop(name, None)
+
+
+def available_platforms() -> tuple[str, ...]:
+    """Names that ``HP_BACKEND`` may take."""
+    return tuple(_REGISTRY)
+
+
+def get_platform(device_type: str | None = None) -> Platform:
+    """The active platform: ``HP_BACKEND`` when set, else the one serving ``device_type``.
+
+    The platform object is created on first use and cached.
+    """
+    name = os.environ.get("HP_BACKEND")
+    if not name:
+        name = _DEVICE_TYPE_BACKEND.get(device_type or "cpu")
+        if name is None:
+            raise BackendError(
+                f"device_type={device_type!r} has no backend: use one of "
+                f"{sorted(_DEVICE_TYPE_BACKEND)} or set HP_BACKEND to one of "
+                f"{available_platforms()}"
+            )
+    inst = _INSTANCES.get(name)
+    if inst is not None:
+        return inst
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise BackendError(
+            f"HP_BACKEND={name!r} is not a known backend: use one of {available_platforms()}"
+        )
+    mod_name, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise BackendError(
+            f"backend {name!r} could not be loaded from {mod_name}: {e}. Install its framework "
+            f"or choose another backend with HP_BACKEND"
+        ) from e
+    inst = getattr(mod, attr)()
+    _INSTANCES[name] = inst
+    return inst

@@ -1,0 +1,151 @@
+"""The torch platform: CPU (gloo), CUDA (NCCL) and Ascend NPU (HCCL through torch_npu).
+
+torch_npu is imported only when the NPU device type is asked for, never at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError
+
+__all__ = ["TorchPlatform"]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+_COMM = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "meta": "gloo"}
+
+
+class TorchPlatform:
+    """``Platform`` over torch and torch.distributed."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = (
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        )
+        self._avg_ok: dict[str, bool] = {}
+
+    # devices ----------------------------------------------------------------------------
+    def _device_module(self, device_type: str):
+        if device_type == "npu":
+            try:
+                importlib.import_module("torch_npu")
+            except ImportError as e:
+                raise BackendError(
+                    "device_type='npu' needs torch_npu (with Ascend's CANN libraries): "
+                    f"install it or use 'cuda'/'cpu' ({e})"
+                ) from e
+        return getattr(torch, device_type, None)
+
+    def default_device_type(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def device_for_rank(self, device_type: str) -> torch.device:
+        if device_type in ("cpu", "meta"):
+            return torch.device(device_type)
+        mod = self._device_module(device_type)
+        if mod is None or not mod.is_available():
+            raise BackendError(f"device_type={device_type!r} is not available on this machine")
+        idx = int(os.environ.get("LOCAL_RANK", "0")) % max(mod.device_count(), 1)
+        mod.set_device(idx)
+        return torch.device(device_type, idx)
+
+    def default_comm_backend(self, device_type: str) -> str:
+        try:
+            return _COMM[device_type]
+        except KeyError:
+            raise BackendError(
+                f"device_type={device_type!r} has no collective backend: use one of {sorted(_COMM)}"
+            ) from None
+
+    # process groups -----------------------------------------------------------------------
+    def is_initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def init_process_group(self, backend, timeout_s, device_type) -> None:
+        if device_type == "npu":
+            self._device_module("npu")
+        dist.init_process_group(
+            backend or self.default_comm_backend(device_type), timeout=timedelta(seconds=timeout_s)
+        )
+
+    def destroy_process_group(self, group=None) -> None:
+        dist.destroy_process_group(group)
+
+    def get_rank(self, group=None) -> int:
+        return dist.get_rank(group)
+
+    def get_world_size(self, group=None) -> int:
+        return dist.get_world_size(group)
+
+    def new_group(self, ranks, timeout_s=None):
+        """A group of ``ranks``; only members take part (local synchronisation)."""
+        if len(ranks) == dist.get_world_size():
+            return dist.group.WORLD
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        return dist.new_group(list(ranks), use_local_synchronization=True, **kw)
+
+    def group_ranks(self, group) -> list[int]:
+        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+    def group_backend(self, group) -> str:
+        return str(dist.get_backend(group))
+
+    # collectives ----------------------------------------------------------------------------
+    def _op(self, op: str):
+        return _OPS[op]
+
+    def all_gather_into(self, out, inp, group, async_op=False):
+        return self._all_gather(out, inp, group=group, async_op=async_op)
+
+    def reduce_scatter_into(self, out, inp, op, group, async_op=False):
+        return self._reduce_scatter(out, inp, op=_OPS[op], group=group, async_op=async_op)
+
+    def all_reduce(self, t, op, group, async_op=False):
+        return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+
+    def all_to_all(self, out, inp, out_splits, in_splits, group, async_op=False):
+        return dist.all_to_all_single(
+            out,
+            inp,
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            async_op=async_op,
+        )
+
+    def broadcast(self, t, src, group, async_op=False):
+        return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+    def barrier(self, group=None) -> None:
+        dist.barrier(group)
+
+    # streams and events ------------------------------------------------------------------
+    def new_stream(self, device):
+        mod = self._device_module(torch.device(device).type)
+        return mod.Stream(device) if hasattr(mod, "Stream") else None
+
+    def current_stream(self, device):
+        mod = self._device_module(torch.device(device).type)
+        return mod.current_stream(device) if hasattr(mod, "current_stream") else None
+
+    def new_event(self, device):
+        mod = self._device_module(torch.device(device).type)
+        return mod.Event() if hasattr(mod, "Event") else None
+
+    def synchronize(self, device) -> None:
+        mod = self._device_module(torch.device(device).type)
+        if hasattr(mod, "synchronize"):
+            mod.synchronize()

@@ -1,0 +1,146 @@
+"""Process groups: initialisation from torchrun's environment and a cache of sub-groups.
+
+Asking twice for the same ranks returns the same group (the ``mark_created_groups`` semantics of
+HyperParallel): a group is created once per process and reused by every mesh that needs it.
+Groups are created with local synchronisation, so only their members take part in creating them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from ._backend import get_platform
+from .errors import MeshError
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "get_process_group_ranks",
+    "get_backend",
+    "split_group",
+    "get_group_local_rank",
+    "new_group",
+    "created_groups",
+]
+
+DEFAULT_TIMEOUT_S = 600.0
+_GROUPS: dict[tuple[int, ...], Any] = {}
+_STATE = {"timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def _seconds(timeout) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    timeout: timedelta | float | None = None,
+    device_type: str | None = None,
+) -> None:
+    """Join the default process group from torchrun's environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (as set by ``torchrun``).
+    ``backend`` defaults to the collective library of ``device_type`` (gloo on CPU, NCCL on CUDA,
+    HCCL on NPU). ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a rank
+    waiting for a peer that died fails instead of hanging. Does nothing when already initialised.
+    """
+    platform = get_platform(device_type)
+    if platform.is_initialized():
+        return
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise MeshError(
+            f"init_process_group needs the environment variables {missing}: launch with "
+            f"torchrun (e.g. torchrun --nproc_per_node=4 script.py) or set them yourself"
+        )
+    device_type = device_type or platform.default_device_type()
+    _STATE["timeout_s"] = _seconds(timeout)
+    platform.init_process_group(backend, _STATE["timeout_s"], device_type)
+
+
+def destroy_process_group() -> None:
+    """Leave the default group and forget every cached sub-group."""
+    platform = get_platform()
+    _GROUPS.clear()
+    if platform.is_initialized():
+        platform.destroy_process_group()
+
+
+def new_group(ranks: Sequence[int]) -> Any:
+    """The group of ``ranks`` (sorted), created on first request and cached afterwards.
+
+    Only members need to call it. Ranks are global ranks of the default group.
+    """
+    key = tuple(sorted(int(r) for r in ranks))
+    group = _GROUPS.get(key)
+    if group is None:
+        platform = get_platform()
+        world = platform.get_world_size()
+        if not key or key[0] < 0 or key[-1] >= world or len(set(key)) != len(key):
+            raise MeshError(
+                f"ranks={list(ranks)} must be distinct ranks in [0, {world}) of the default group"
+            )
+        group = platform.new_group(list(key), _STATE["timeout_s"])
+        _GROUPS[key] = group
+    return group
+
+
+def created_groups() -> dict[tuple[int, ...], Any]:
+    """The groups created so far, keyed by their sorted ranks."""
+    return dict(_GROUPS)
+
+
+def split_group(parent: Any, split_ranks: Sequence[Sequence[int]]) -> Any:
+    """Split ``parent`` into disjoint groups; return the one holding this rank (None if none).
+
+    ``split_ranks`` lists global ranks, e.g. ``[[0, 1], [2, 3]]``; every list must lie inside
+    ``parent``. Groups are cached like ``new_group``.
+    """
+    platform = get_platform()
+    parent_ranks = set(platform.group_ranks(parent)) if parent is not None else None
+    me = platform.get_rank()
+    seen: set[int] = set()
+    mine = None
+    for ranks in split_ranks:
+        ranks = [int(r) for r in ranks]
+        if parent_ranks is not None and not set(ranks) <= parent_ranks:
+            raise MeshError(
+                f"split_ranks entry {ranks} has ranks outside the parent group "
+                f"{sorted(parent_ranks)}: give sub-lists of the parent's ranks"
+            )
+        if seen & set(ranks):
+            raise MeshError(f"split_ranks={split_ranks} repeats a rank: the lists must be disjoint")
+        seen.update(ranks)
+        if me in ranks:
+            mine = new_group(ranks)
+    return mine
+
+
+def get_process_group_ranks(group: Any = None) -> list[int]:
+    """Global ranks of ``group`` (the default group when None), in group-rank order."""
+    return get_platform().group_ranks(group)
+
+
+def get_backend(group: Any = None) -> str:
+    """Name of the collective library behind ``group`` (``gloo``, ``nccl``, ``hccl``...)."""
+    return get_platform().group_backend(group)
+
+
+def get_group_local_rank(group: Any = None) -> int:
+    """This process's rank inside ``group``."""
+    return get_platform().get_rank(group)
+
+
+def default_timeout_s() -> float:
+    """The timeout given to ``init_process_group`` (seconds)."""
+    return _STATE["timeout_s"]
