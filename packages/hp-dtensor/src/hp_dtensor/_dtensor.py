@@ -44,6 +44,7 @@ from .errors import PlacementError, ShardingError
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
 _mws = torch.Tensor._make_wrapper_subclass
+_grad_enabled = torch.is_grad_enabled
 _REPLICATE = Replicate()
 
 
@@ -399,6 +400,11 @@ class DTensor(torch.Tensor):
                     return op(func, args, kwargs)
                 plan = op.cache.get(key)
                 if plan is not None and plan.fast:
+                    gf = plan.gf_pos
+                    if gf is not None and _grad_enabled():
+                        for i in gf:
+                            if args[i]._local.requires_grad:
+                                return plan.run(func, args, kwargs)
                     if n == 2:
                         out = func(a._local if ta else a, b._local if tb else b)
                     elif n == 1:
@@ -847,15 +853,20 @@ class _Planned:
         "fast",
         "inplace",
         "reshape",
+        "gf_pos",
     )
 
     def __init__(self, op, paths, targets, grad_fix, out, multi, adapt, kernel, mesh):
         self.op, self.paths, self.targets, self.grad_fix = op, paths, targets, grad_fix
         self.out, self.multi, self.adapt, self.kernel, self.mesh = out, multi, adapt, kernel, mesh
         self.inplace = op.inplace
+        # Replicated inputs feeding a split output need a gradient all-reduce only when they
+        # require grad: the hot path checks those positions and otherwise stays fast.
+        flat = all(len(p) == 1 and p[0] != "kw" for p in paths)
+        self.gf_pos = tuple(paths[i][0] for i, _ in grad_fix) if grad_fix and flat else None
         self.fast = (
             not any(t is not None for t in targets)
-            and not grad_fix
+            and (not grad_fix or flat)
             and not adapt
             and kernel is None
             and all(len(p) == 1 and p[0] != "kw" for p in paths)
@@ -879,13 +890,19 @@ class _Planned:
             self.reshape = (meth, out.local_shape_and_offset()[0])
 
     def run(self, func, args, kwargs):
-        if self.fast:
+        if self.fast and not self._needs_grad_fix(args):
             out = func(*[a._local if type(a) is DTensor else a for a in args], **(kwargs or {}))
             return _make(out, self.out)
         if self.reshape is not None:
             meth, shape = self.reshape
             return _make(getattr(args[0]._local, meth)(shape), self.out)
         return self._run_general(func, args, kwargs or {})
+
+    def _needs_grad_fix(self, args) -> bool:
+        gf = self.gf_pos
+        if gf is None or not _grad_enabled():
+            return False
+        return any(args[i]._local.requires_grad for i in gf)
 
     def _run_general(self, func, args, kwargs):
         dts = [_get(args, p) if p[0] != "kw" else _get(kwargs, p[1:]) for p in self.paths]
@@ -942,7 +959,7 @@ class _Fallback:
             if all(type(p) is Replicate for p in self_dt._spec.placements):
                 fulls[0] = self_dt._local
             else:
-                fulls[0] = fulls[0].clone()
+                fulls[0] = fulls[0].clone(memory_format=torch.contiguous_format)
         largs, lkwargs = _replace(args, kwargs, self.paths, fulls)
         out = func(*largs, **lkwargs)
         if self.inplace and dts:
@@ -1020,19 +1037,30 @@ def _take_local(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 
 def _random_inplace(func, args, kwargs):
-    """uniform_/normal_/bernoulli_/...: draw the whole tensor, keep this rank's slice."""
-    self = args[0]
+    """uniform_/normal_/bernoulli_/nn.init.*: run on the whole tensor, keep this rank's slice.
+
+    The first argument (or ``tensor=``) is the DTensor filled in place; it is returned.
+    """
+    in_kw = not args
+    self = kwargs["tensor"] if in_kw else args[0]
     spec = self._spec
     if spec.has_partial():
         raise ShardingError(
             f"{_op_name(func)} on a Partial DTensor: redistribute it to Shard/Replicate first"
         )
+    full = torch.empty(spec.shape, dtype=spec.dtype, device=self._local.device)
+    if not in_kw and spec.placements and all(type(p) is Replicate for p in spec.placements):
+        full = self._local  # already whole: fill it directly
     rest = [_full(a) if isinstance(a, DTensor) else a for a in args[1:]]
     kw = {k: (_full(v) if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
-    full = torch.empty(spec.shape, dtype=spec.dtype, device=self._local.device)
-    func(full, *rest, **kw)
-    with torch.no_grad():
-        self._local.copy_(_take_local(full, spec))
+    if in_kw:
+        kw["tensor"] = full
+        func(**kw)
+    else:
+        func(full, *rest, **kw)
+    if full is not self._local:
+        with torch.no_grad():
+            self._local.copy_(_take_local(full, spec))
     return self
 
 
@@ -1183,6 +1211,26 @@ def _register_specials() -> None:
         "random_",
     ):
         _SPECIAL[getattr(T, name)] = _random_inplace
+    init = torch.nn.init
+    for name in (
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "constant_",
+        "ones_",
+        "zeros_",
+        "eye_",
+        "dirac_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
+    ):
+        fn = getattr(init, name, None)
+        if fn is not None:
+            _SPECIAL[fn] = _random_inplace
     for fn in (torch.rand_like, torch.randn_like, torch.randint_like):
         _SPECIAL[fn] = _random_like
     for fn in (torch.nn.functional.dropout, torch.dropout):

@@ -195,7 +195,7 @@ def _all_gather(x, o: _Op, group, platform):
     if n * step != size:
         out = out.view((n, step) + tuple(xk.shape[1:]))
         out = torch.cat([out[i, : chunk_size_and_offset(size, n, i)[0]] for i in range(n)], 0)
-    return out.movedim(0, k) if k else out
+    return out.movedim(0, k).contiguous() if k else out
 
 
 def _chunk(x, o: _Op, group, platform):
@@ -222,7 +222,7 @@ def _reduce_scatter(x, o: _Op, group, platform):
     length, _ = chunk_size_and_offset(size, n, o.coord)
     if length != step:
         out = out[:length]
-    return out.movedim(0, k) if k else out
+    return out.movedim(0, k).contiguous() if k else out
 
 
 def _all_reduce(x, o: _Op, group, platform):
