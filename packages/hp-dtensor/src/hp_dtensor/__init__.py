@@ -18,7 +18,7 @@ from ._groups import (
 )
 from ._init import init_empty_weights, init_on_device, init_parameters
 from ._layout import Layout
-from ._mesh import DeviceMesh, init_device_mesh
+from ._mesh import DeviceMesh, init_device_mesh, mesh_from_layout
 from ._placement import Partial, Placement, Replicate, Shard
 from ._plan import RedistributePlan, Step, plan_redistribute
 from ._random import manual_seed
@@ -73,6 +73,7 @@ __all__ = [
     "init_process_group",
     "local_shape_and_offset",
     "manual_seed",
+    "mesh_from_layout",
     "new_group",
     "plan_redistribute",
     "register_platform",

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
+from . import _groups as _groups_mod
 from . import _kernels
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placement import Partial, Placement, Replicate, Shard, normalize_placements
+from ._plan import plan_redistribute
 from ._redistribute import (
     AllReduceGrad,
     PartialExtremeGrad,
@@ -104,6 +106,11 @@ class DTensor(torch.Tensor):
         first rank of each replicated mesh dimension. Differentiable: the gradient reaching
         ``local_tensor`` is the local gradient (see NOTE [Gradient representation]).
         """
+        if isinstance(device_mesh, Layout):
+            if placements is not None:
+                raise PlacementError("give either a Layout or (device_mesh, placements), not both")
+            placements = device_mesh.to_placements()
+            device_mesh = _layout_mesh(device_mesh, local_tensor)
         if device_mesh is None:
             raise PlacementError("device_mesh is required: pass the DeviceMesh the tensor lives on")
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
@@ -217,6 +224,8 @@ class DTensor(torch.Tensor):
         placements = normalize_placements(placements, mesh.ndim, len(spec.shape))
         if placements == spec.placements:
             return self
+        if plan_redistribute(mesh.shape, spec.placements, placements, spec.shape).is_noop:
+            return _make(self._local, spec.with_placements(placements))
         return _redistribute(self, spec.with_placements(placements))
 
     # -- metadata served without dispatch ---------------------------------------------------
@@ -513,9 +522,9 @@ def _check_from_local(local, mesh, placements):
         group = mesh._groups[d]
         n = mesh.shape[d]
         sizes = torch.tensor([list(shape)], dtype=torch.int64, device=local.device)
-        gathered = torch.empty((n, len(shape)), dtype=torch.int64, device=local.device)
+        gathered = torch.empty(n * len(shape), dtype=torch.int64, device=local.device)
         platform.all_gather_into(gathered, sizes.reshape(-1), group)
-        gathered = gathered.tolist()
+        gathered = gathered.view(n, len(shape)).tolist()
         p = placements[d]
         for k in range(len(shape)):
             col = [g[k] for g in gathered]
@@ -773,9 +782,15 @@ class _Direct:
 def _plan_from_strategy(op: _Op, func, args, kwargs, paths, dts, strategy, mesh):
     targets = []
     for d, tgt in zip(dts, strategy.inputs):
-        targets.append(
-            None if tgt is None or tgt == d._spec.placements else d._spec.with_placements(tgt)
-        )
+        s = d._spec
+        if (
+            tgt is None
+            or tgt == s.placements
+            or plan_redistribute(mesh.shape, s.placements, tgt, s.shape).is_noop
+        ):  # only size-1 mesh dims differ: the local tensor is already right
+            targets.append(None)
+        else:
+            targets.append(s.with_placements(tgt))
     if op.inplace and targets and targets[0] is not None:
         return _Fallback(op, paths, dts, True)
     # output shapes from a run on shapes only
@@ -1157,6 +1172,71 @@ def _autograd_backward(func, args, kwargs):
     return torch.autograd.backward(l_ts, l_gs, **vals)
 
 
+_FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+
+
+def _foreach(func, args, kwargs):
+    """``torch._foreach_*`` pointwise ops (optimizers): one call on the local lists when the
+    tensors at each position share placements and shape, else gather, compute, scatter back."""
+    name = _op_name(func)
+    inplace = name.endswith("_")
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    first = lists[0]
+    local_ok = name not in _FOREACH_REDUCTIONS
+    for i in range(len(first) if local_ok else 0):
+        spec = None
+        for lst in lists:
+            x = lst[i] if i < len(lst) else None
+            if isinstance(x, DTensor):
+                s = x._spec
+                if spec is None:
+                    spec = s
+                    if s.has_partial():
+                        local_ok = False
+                elif s.placements != spec.placements or s.shape != spec.shape:
+                    local_ok = False
+            elif isinstance(x, torch.Tensor) and x.ndim != 0:
+                local_ok = False
+        if not local_ok:
+            break
+    if local_ok:
+        largs = [
+            [x._local if isinstance(x, DTensor) else x for x in a]
+            if isinstance(a, (list, tuple))
+            else (a._local if isinstance(a, DTensor) else a)
+            for a in args
+        ]
+        out = func(*largs, **kwargs)
+        if inplace or out is None:
+            return out
+        res = []
+        for o, x in zip(out, first):
+            s = x._spec
+            res.append(_make(o, DTensorSpec(s.mesh, s.placements, s.shape, s.stride, o.dtype)))
+        return res
+    # gather, compute on whole tensors, write back
+    fargs = []
+    for j, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            fl = [_full(x) if isinstance(x, DTensor) else x for x in a]
+            if inplace and j == 0:
+                fl = [f.clone(memory_format=torch.contiguous_format) for f in fl]
+            fargs.append(fl)
+        else:
+            fargs.append(_full(a) if isinstance(a, DTensor) else a)
+    out = func(*fargs, **kwargs)
+    if inplace:
+        for x, f in zip(first, fargs[0]):
+            if isinstance(x, DTensor):
+                s = x._spec
+                rs = (_REPLICATE,) * s.mesh.ndim
+                with torch.no_grad():
+                    x._local.copy_(redistribute_local(f, s.mesh, rs, s.placements, s.shape))
+        return out
+    mesh = next(x for x in first if isinstance(x, DTensor))._spec.mesh
+    return _wrap_replicated(out, mesh)
+
+
 _SPECIAL: dict[Any, Any] = {}
 
 
@@ -1235,6 +1315,9 @@ def _register_specials() -> None:
         _SPECIAL[fn] = _random_like
     for fn in (torch.nn.functional.dropout, torch.dropout):
         _SPECIAL[fn] = _dropout
+    for name in dir(torch):
+        if name.startswith("_foreach_"):
+            _SPECIAL[getattr(torch, name)] = _foreach
     _SPECIAL[torch.autograd.grad] = _autograd_grad
     _SPECIAL[torch.autograd.backward] = _autograd_backward
 
@@ -1243,21 +1326,45 @@ _register_specials()
 _OPS: dict[Any, _Op] = {}
 
 
+def _clear_caches() -> None:
+    _OPS.clear()
+    from ._redistribute import compile_plan
+
+    compile_plan.cache_clear()
+
+
+_groups_mod.register_cleanup(_clear_caches)
+
+
 # ---------------------------------------------------------------------------------------------
 # distribute
+def _layout_mesh(layout: Layout, tensor: torch.Tensor) -> DeviceMesh:
+    from ._mesh import mesh_from_layout
+
+    dev = tensor.device.type if tensor.device.type != "meta" else "cpu"
+    return mesh_from_layout(layout, dev)
+
+
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | Layout,
     placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
     """Split a whole tensor into a DTensor with ``placements``; a new leaf.
 
+    ``device_mesh`` may also be a bound ``Layout`` (then ``placements`` is omitted), e.g.
+    ``distribute_tensor(w, Layout((2, 2), ("dp", "tp"))("tp", "None"))``.
     With ``src_data_rank=0`` (default) the values of the mesh's first rank are used on every rank
     (broadcast along each mesh dimension); with ``None`` every rank uses its own ``tensor``, so
     all ranks must pass equal values. Meta tensors are split without communication.
     """
+    if isinstance(device_mesh, Layout):
+        if placements is not None:
+            raise PlacementError("give either a Layout or (device_mesh, placements), not both")
+        placements = device_mesh.to_placements()
+        device_mesh = _layout_mesh(device_mesh, tensor)
     if isinstance(tensor, DTensor):
         raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
     placements = normalize_placements(

@@ -7,6 +7,7 @@ Groups are created with local synchronisation, so only their members take part i
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -29,6 +30,12 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 600.0
 _GROUPS: dict[tuple[int, ...], Any] = {}
 _STATE = {"timeout_s": DEFAULT_TIMEOUT_S}
+_CLEANUPS: list = []
+
+
+def register_cleanup(fn) -> None:
+    """Call ``fn()`` when the process groups are destroyed (caches that hold meshes)."""
+    _CLEANUPS.append(fn)
 
 
 def _seconds(timeout) -> float:
@@ -66,11 +73,31 @@ def init_process_group(
     device_type = device_type or platform.default_device_type()
     _STATE["timeout_s"] = _seconds(timeout)
     platform.init_process_group(backend, _STATE["timeout_s"], device_type)
+    # Gloo's worker threads must not outlive the interpreter: a process that forgets to call
+    # destroy_process_group() would otherwise abort at exit ("terminate called without an
+    # active exception").
+    atexit.register(_destroy_at_exit)
 
 
-def destroy_process_group() -> None:
-    """Leave the default group and forget every cached sub-group."""
+def _destroy_at_exit() -> None:
+    try:
+        if get_platform().is_initialized():
+            destroy_process_group(barrier=False)
+    except Exception:  # the interpreter is going away; nothing useful to report
+        pass
+
+
+def destroy_process_group(*, barrier: bool = True) -> None:
+    """Leave the default group and forget every cached sub-group and every cache that holds one.
+
+    With ``barrier`` the ranks first wait for each other, so that no rank tears down its
+    connections while a peer still uses them.
+    """
     platform = get_platform()
+    if platform.is_initialized() and barrier:
+        platform.barrier()
+    for fn in _CLEANUPS:
+        fn()
     _GROUPS.clear()
     if platform.is_initialized():
         platform.destroy_process_group()

@@ -7,6 +7,7 @@ from torch.distributed import tensor as tdt
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
 from ._dtensor import DTensor, _make
+from ._groups import register_cleanup
 from ._mesh import DeviceMesh
 from ._placement import Partial, Replicate, Shard
 from ._spec import DTensorSpec
@@ -15,6 +16,8 @@ __all__ = ["to_torch", "from_torch", "to_torch_mesh", "from_torch_mesh"]
 
 _TORCH_MESHES: dict = {}
 _OUR_MESHES: dict = {}
+register_cleanup(_TORCH_MESHES.clear)
+register_cleanup(_OUR_MESHES.clear)
 
 
 def to_torch_mesh(mesh: DeviceMesh) -> TorchMesh:

@@ -10,7 +10,7 @@ from . import _groups
 from ._backend import get_platform
 from .errors import MeshError
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "mesh_from_layout"]
 
 
 def _flatten_nested(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -371,3 +371,15 @@ def init_device_mesh(
     for s in reversed(mesh_shape[1:]):
         nested = [nested[i : i + s] for i in range(0, len(nested), s)]
     return DeviceMesh(device_type, nested, mesh_dim_names=mesh_dim_names)
+
+
+def mesh_from_layout(layout, device_type: str = "cpu") -> DeviceMesh:
+    """The ``DeviceMesh`` a ``Layout`` describes (its axes named by the layout's aliases).
+
+    Meshes over the same ranks share their process groups, so calling this twice is cheap.
+    """
+    shape = layout.mesh_shape
+    nested: Any = list(layout.rank_list)
+    for s in reversed(shape[1:]):
+        nested = [nested[i : i + s] for i in range(0, len(nested), s)]
+    return DeviceMesh(device_type, nested, mesh_dim_names=layout.alias_names)

@@ -150,3 +150,29 @@ def test_backend_selection_is_explicit(monkeypatch):
     import sys
 
     assert "torch_npu" not in sys.modules
+
+
+def _layout_api():
+    lay = hp.Layout((2, 2), ("dp", "tp"))
+    full = torch.arange(42.0).reshape(7, 6)
+    x = hp.distribute_tensor(full, lay(("dp", "tp"), "None"))
+    assert x.placements == (Shard(0), Shard(0))
+    assert x.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert x.layout == hp.Layout((2, 2), ("dp", "tp"))(("dp", "tp"), "None")
+    torch.testing.assert_close(x.full_tensor(), full)
+    y = hp.DTensor.from_local(x.to_local(), lay(("dp", "tp"), "None"), shape=(7, 6))
+    torch.testing.assert_close(y.full_tensor(), full)
+    # run_check: the global shape of uneven shards comes from every rank's local shape, and
+    # replicated values are taken from the first rank of the mesh dimension
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rows = [4, 3][mesh.get_local_rank("dp")]
+    local = torch.full((rows, 2), float(dist.get_rank()))
+    z = hp.DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=True)
+    return tuple(z.shape), z.to_local()[0, 0].item()
+
+
+def test_layout_and_run_check(pool):
+    res = pool.run(_layout_api)
+    assert [s for s, _ in res] == [(7, 2)] * 4
+    # along tp (mesh dim 1) rank 1 takes rank 0's values and rank 3 takes rank 2's
+    assert [v for _, v in res] == [0.0, 0.0, 2.0, 2.0]

@@ -67,6 +67,13 @@ class Platform(Protocol):
     def broadcast(self, t: Any, src: int, group: Any, async_op: bool = False) -> Any: ...
     def barrier(self, group: Any = None) -> None: ...
 
+    # tensor factories ------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        """An uninitialised tensor."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        """A tensor of zeros."""
+
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device: Any) -> Any: ...
     def current_stream(self, device: Any) -> Any: ...

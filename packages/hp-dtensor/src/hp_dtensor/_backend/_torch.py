@@ -132,6 +132,13 @@ class TorchPlatform:
     def barrier(self, group=None) -> None:
         dist.barrier(group)
 
+    # tensor factories ------------------------------------------------------------------------
+    def empty(self, shape, dtype, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def zeros(self, shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device):
         mod = self._device_module(torch.device(device).type)
