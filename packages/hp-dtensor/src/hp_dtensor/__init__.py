@@ -22,7 +22,9 @@ from ._mesh import DeviceMesh, init_device_mesh, mesh_from_layout
 from ._placement import Partial, Placement, Replicate, Shard
 from ._plan import RedistributePlan, Step, plan_redistribute
 from ._random import manual_seed
+from ._rope import rotary_position_embedding
 from ._rules import Call, Strategy, TensorMeta, register_sharding_rule, registered_ops
+from ._shard_api import DFunction, SkipDTensorDispatch, custom_shard, shard_module
 from ._shard_math import chunk_size_and_offset, local_shape_and_offset
 from ._spec import DTensorSpec
 from .errors import (
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "Call",
+    "DFunction",
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
@@ -54,11 +57,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardingError",
+    "SkipDTensorDispatch",
     "Step",
     "Strategy",
     "TensorMeta",
     "available_platforms",
     "chunk_size_and_offset",
+    "custom_shard",
     "destroy_process_group",
     "distribute_module",
     "distribute_tensor",
@@ -79,5 +84,7 @@ __all__ = [
     "register_platform",
     "register_sharding_rule",
     "registered_ops",
+    "rotary_position_embedding",
+    "shard_module",
     "split_group",
 ]

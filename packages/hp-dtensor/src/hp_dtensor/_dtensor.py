@@ -46,6 +46,10 @@ from .errors import PlacementError, ShardingError
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
 _mws = torch.Tensor._make_wrapper_subclass
+#: dispatcher modes that change some rules (see ``hp_dtensor.parallel.loss_parallel``)
+_MODE = {"loss_parallel": False, "skip": False}
+#: ops whose rule reads ``_MODE``: their cache key includes the mode
+_MODE_SENSITIVE = frozenset({"log_softmax", "_log_softmax", "nll_loss"})
 _grad_enabled = torch.is_grad_enabled
 _REPLICATE = Replicate()
 
@@ -389,6 +393,8 @@ class DTensor(torch.Tensor):
     # -- dispatch -------------------------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _MODE["skip"]:
+            return _skip_dispatch(func, args, kwargs or {})
         op = _OPS.get(func)
         if op is not None:
             if not kwargs:  # hot path: a cached plan that needs no communication
@@ -622,7 +628,7 @@ def _op_name(func) -> str:
 class _Op:
     """Dispatch state of one torch callable: its rule and a cache of plans by input specs."""
 
-    __slots__ = ("name", "rule", "cache", "inplace", "warned")
+    __slots__ = ("name", "rule", "cache", "inplace", "warned", "moded")
 
     def warned_once(self) -> bool:
         """True after the first call: the fallback warning is given once per op."""
@@ -644,15 +650,20 @@ class _Op:
         )
         self.cache: dict = {}
         self.warned = False
+        self.moded = base in _MODE_SENSITIVE
 
     def __call__(self, func, args, kwargs):
         try:
             key = tuple([a._spec if type(a) is DTensor else _key_of(a) for a in args])
             if kwargs:
                 key = (key, tuple((k, _key_of(v)) for k, v in kwargs.items()))
+            if self.moded:  # never equal to a hot-path key, so the mode is always consulted
+                key = ("mode", _MODE["loss_parallel"], key)
         except _Uncacheable:
             return self._build(func, args, kwargs).run(func, args, kwargs)
         except _Mixed:
+            if self.name in _REPLICATE_PLAIN:
+                return self(func, *_replicate_plain(args, kwargs))
             raise ShardingError(
                 f"{self.name}: got a mix of DTensor and torch.Tensor arguments; distribute the "
                 "tensor first (distribute_tensor / DTensor.from_local)"
@@ -687,7 +698,7 @@ class _Op:
         call_args = _substitute(args, iter(metas))
         it = iter(metas[_count(args) :])
         call_kwargs = {k: _substitute_one(v, it) for k, v in kwargs.items()}
-        call = Call(self.name, call_args, call_kwargs, mesh.shape, metas)
+        call = Call(self.name, call_args, call_kwargs, mesh.shape, metas, dict(_MODE))
         try:
             strategy = self.rule(call)
         except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -695,6 +706,25 @@ class _Op:
         if strategy is None:
             return _Fallback(self, paths, dts, self.inplace)
         return _plan_from_strategy(self, func, args, kwargs, paths, dts, strategy, mesh)
+
+
+#: ops whose plain-tensor arguments (targets, class weights) are taken as replicated
+_REPLICATE_PLAIN = frozenset({"cross_entropy", "nll_loss"})
+
+
+def _replicate_plain(args, kwargs):
+    paths, dts = [], []
+    _collect(args, (), paths, dts)
+    mesh = dts[0]._spec.mesh
+    pl = (_REPLICATE,) * mesh.ndim
+
+    def conv(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim:
+            spec = DTensorSpec(mesh, pl, x.shape, contiguous_strides(x.shape), x.dtype)
+            return _make(x, spec)
+        return x
+
+    return tuple(conv(a) for a in args), {k: conv(v) for k, v in (kwargs or {}).items()}
 
 
 def _count(x) -> int:
@@ -1030,6 +1060,28 @@ def _wrap_replicated(out, mesh):
 
 # ---------------------------------------------------------------------------------------------
 # ops handled outside the rule table
+def _unwrap_all(x):
+    if isinstance(x, DTensor):
+        return x._local
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        return type(x)(_unwrap_all(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _unwrap_all(v) for k, v in x.items()}
+    return x
+
+
+def _skip_dispatch(func, args, kwargs):
+    """Inside ``SkipDTensorDispatch``: run on local tensors; in-place ops return the DTensor."""
+    out = func(*_unwrap_all(args), **_unwrap_all(kwargs))
+    name = _op_name(func)
+    inplace = (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__")
+    )
+    if inplace and args and isinstance(args[0], DTensor):
+        return args[0]
+    return out
+
+
 def _metadata(func, args, kwargs):
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -1184,7 +1236,10 @@ def _foreach(func, args, kwargs):
     first = lists[0]
     local_ok = name not in _FOREACH_REDUCTIONS
     for i in range(len(first) if local_ok else 0):
+        # each position holds DTensors of one spec, or plain tensors only (mixed lists are
+        # common: an optimizer groups DTensor and plain parameters of one dtype together)
         spec = None
+        plain = False
         for lst in lists:
             x = lst[i] if i < len(lst) else None
             if isinstance(x, DTensor):
@@ -1196,7 +1251,9 @@ def _foreach(func, args, kwargs):
                 elif s.placements != spec.placements or s.shape != spec.shape:
                     local_ok = False
             elif isinstance(x, torch.Tensor) and x.ndim != 0:
-                local_ok = False
+                plain = True
+        if plain and spec is not None:
+            local_ok = False
         if not local_ok:
             break
     if local_ok:
@@ -1211,8 +1268,10 @@ def _foreach(func, args, kwargs):
             return out
         res = []
         for o, x in zip(out, first):
-            s = x._spec
-            res.append(_make(o, DTensorSpec(s.mesh, s.placements, s.shape, s.stride, o.dtype)))
+            if isinstance(x, DTensor):
+                s = x._spec
+                o = _make(o, DTensorSpec(s.mesh, s.placements, s.shape, s.stride, o.dtype))
+            res.append(o)
         return res
     # gather, compute on whole tensors, write back
     fargs = []

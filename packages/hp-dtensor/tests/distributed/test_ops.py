@@ -207,6 +207,36 @@ def _cases():
         False,
     )
     c["ce_class_sharded"] = (F.cross_entropy, [logits, tgt], [[S1], [R]], False)
+    c["ce_vocab_all_options"] = (
+        lambda x, t, ww: F.cross_entropy(x, t, weight=ww.detach(), label_smoothing=0.1),
+        [logits, tgt_ign, wcls],
+        [[S1], [R], [R]],
+        False,
+    )
+    c["ce_vocab_sum_smooth"] = (
+        lambda x, t: F.cross_entropy(x, t, reduction="sum", label_smoothing=0.2),
+        [_rand(5, 9), torch.tensor([0, 8, 4, -100, 3])],
+        [[S1], [R]],
+        False,
+    )
+    c["ce_vocab_none"] = (
+        lambda x, t: F.cross_entropy(x, t, reduction="none", ignore_index=2),
+        [logits, tgt],
+        [[S1], [R]],
+        False,
+    )
+    c["ce_batch_smooth"] = (
+        lambda x, t: F.cross_entropy(x, t, label_smoothing=0.3),
+        [logits, tgt_ign],
+        [[S0], [S0]],
+        False,
+    )
+    c["ce_vocab_and_batch_2d"] = (
+        lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1),
+        [logits, tgt_ign],
+        [[S0, S1], [S0, R]],
+        True,
+    )
     c["nll_spatial"] = (
         lambda x, t: F.nll_loss(F.log_softmax(x, 1), t),
         [_rand(2, 5, 7), torch.randint(0, 5, (2, 7), generator=torch.Generator().manual_seed(0))],

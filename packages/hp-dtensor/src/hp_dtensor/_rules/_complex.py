@@ -14,6 +14,8 @@ __all__ = [
     "sdpa_rule",
     "loss_rule",
     "einsum_rule",
+    "log_softmax_rule",
+    "rotary_rule",
 ]
 
 
@@ -232,22 +234,25 @@ def sdpa_rule(call: Call) -> Strategy | None:
 
 
 def loss_rule(call: Call) -> Strategy | None:
-    """cross_entropy / nll_loss with class-index targets, sharded over batch (or spatial) dims.
+    """cross_entropy / nll_loss with class-index targets.
 
-    ``reduction="mean"`` runs the local kernel ``loss_mean``, which divides the local sum by the
-    global weight of the valid targets. The class dim is gathered when sharded.
+    Sample (batch or spatial) dims may be sharded: ``reduction="sum"`` gives a Partial(sum)
+    result, ``"mean"`` divides by the global weight of the valid targets, ``"none"`` keeps the
+    sharding. The class dim may be sharded too (vocabulary parallel): ``cross_entropy`` always,
+    ``nll_loss`` inside ``loss_parallel()``; the log-sum-exp and the target logit are reduced
+    across the class shards, so logits are never gathered. Both run the local kernel
+    ``class_loss`` unless nothing is sharded.
     """
     if call.arg(3, "size_average", None) is not None or call.arg(5, "reduce", None) is not None:
         return None
     reduction = call.arg(6, "reduction", "mean")
     if reduction not in ("none", "sum", "mean"):
         return None
-    if call.name == "cross_entropy" and call.arg(7, "label_smoothing", 0.0) not in (0, 0.0):
-        return None
     ts = call.tensors
     x, t = ts[0], ts[1]
     if x.ndim < 2 or t.ndim != x.ndim - 1:
         return None  # probabilities as targets, or an unbatched input: use the fallback
+    vocab_ok = call.name == "cross_entropy" or call.options.get("loss_parallel", False)
 
     def t_dim(k):  # target dim matching input dim k (k != 1)
         return 0 if k == 0 else k - 1
@@ -256,6 +261,10 @@ def loss_rule(call: Call) -> Strategy | None:
 
     def choose(d, cur):
         px, pt = cur[0], cur[1]
+        rest = [REPLICATE] * (len(cur) - 2)
+        if isinstance(px, Shard) and px.dim == 1 and vocab_ok:
+            sharded.append(d)
+            return [px, REPLICATE] + rest, REPLICATE
         k = None
         if isinstance(px, Shard) and px.dim != 1:
             k = px.dim
@@ -264,12 +273,54 @@ def loss_rule(call: Call) -> Strategy | None:
         if k is None:
             return [REPLICATE] * len(cur), REPLICATE
         sharded.append(d)
-        tgt = [Shard(k), Shard(t_dim(k))] + [REPLICATE] * (len(cur) - 2)
+        tgt = [Shard(k), Shard(t_dim(k))] + rest
         if reduction == "none":
             return tgt, Shard(t_dim(k))
         return tgt, PSUM
 
     st = per_mesh_dim(call, choose)
-    if sharded and reduction == "mean":
-        st.kernel = "loss_mean"
+    if sharded:
+        st.kernel = "class_loss"
     return st
+
+
+def log_softmax_rule(call: Call) -> Strategy | None:
+    """log_softmax: inside ``loss_parallel()`` a sharded class dim stays sharded (kernel
+    ``log_softmax_sharded``); otherwise like softmax."""
+    x = call.tensors[0]
+    dim = call.arg(1, "dim", None)
+    if dim is None or not call.options.get("loss_parallel", False):
+        return softmax_rule(call)
+    dim = normalize_dim(dim, x.ndim)
+    if not any(isinstance(p, Shard) and p.dim == dim for p in x.placements):
+        return softmax_rule(call)
+
+    def choose(d, cur):
+        p = cur[0]
+        if isinstance(p, Partial):
+            p = REPLICATE
+        return [p] + [REPLICATE] * (len(cur) - 1), p
+
+    st = per_mesh_dim(call, choose)
+    st.kernel = "log_softmax_sharded"
+    return st
+
+
+def rotary_rule(call: Call) -> Strategy | None:
+    """rotary_position_embedding(q, k, cos, sin), q/k ``[b, s, h, d]``, cos/sin ``[s, d]``:
+    batch and heads stay sharded (cos/sin replicated); a sharded sequence splits cos/sin alike;
+    head_dim and Partial inputs are made whole."""
+    ts = call.tensors
+    if len(ts) != 4 or ts[0].ndim != 4 or ts[1].ndim != 4:
+        return None
+
+    def choose(d, cur):
+        qp, kp = cur[0], cur[1]
+        for p in (qp, kp):
+            if isinstance(p, Shard) and p.dim in (0, 1, 2):
+                k = p.dim
+                rope = Shard(0) if k == 1 else REPLICATE
+                return [Shard(k), Shard(k), rope, rope], [Shard(k), Shard(k)]
+        return [REPLICATE] * 4, [REPLICATE, REPLICATE]
+
+    return per_mesh_dim(call, choose)

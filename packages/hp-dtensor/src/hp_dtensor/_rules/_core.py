@@ -58,6 +58,8 @@ class Call:
     kwargs: dict
     mesh_shape: tuple[int, ...]
     tensors: list[TensorMeta] = field(default_factory=list)
+    #: dispatcher modes that change some rules, e.g. ``{"loss_parallel": True}``
+    options: dict = field(default_factory=dict)
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Argument by position or keyword."""

@@ -15,9 +15,11 @@ from ._complex import (
     contraction_rule,
     einsum_rule,
     embedding_rule,
+    log_softmax_rule,
     loss_rule,
     matmul_labels,
     norm_rule,
+    rotary_rule,
     sdpa_rule,
     softmax_rule,
 )
@@ -304,6 +306,7 @@ COMPLEX = (
     "scaled_dot_product_attention",
     "cross_entropy",
     "nll_loss",
+    "rotary_position_embedding",
 )
 
 
@@ -345,10 +348,12 @@ def _register_all() -> None:
     register_sharding_rule("linear", _linear)
     register_sharding_rule("einsum", einsum_rule)
     register_sharding_rule("embedding", embedding_rule)
-    register_sharding_rule(("softmax", "log_softmax", "_softmax", "_log_softmax"), softmax_rule)
+    register_sharding_rule(("softmax", "_softmax"), softmax_rule)
+    register_sharding_rule(("log_softmax", "_log_softmax"), log_softmax_rule)
     register_sharding_rule(("layer_norm", "rms_norm"), norm_rule)
     register_sharding_rule("scaled_dot_product_attention", sdpa_rule)
     register_sharding_rule(("cross_entropy", "nll_loss"), _loss)
+    register_sharding_rule("rotary_position_embedding", rotary_rule)
 
 
 def _reduction(kind, dpos, kpos, tup):

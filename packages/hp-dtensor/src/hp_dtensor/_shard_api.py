@@ -1,0 +1,278 @@
+"""HyperParallel's shard API: ``shard_module``, ``custom_shard``, ``DFunction`` and
+``SkipDTensorDispatch``. Layouts are bound ``Layout`` values (or placement tuples, which then
+take their mesh from the DTensor arguments)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _dtensor
+from ._dtensor import DTensor, distribute_tensor
+from ._layout import Layout
+from ._mesh import DeviceMesh, mesh_from_layout
+from ._placement import Placement
+from .errors import LayoutError, MeshError
+
+__all__ = ["shard_module", "custom_shard", "DFunction", "SkipDTensorDispatch"]
+
+
+def _mesh_of(layout: Layout, device_type: str) -> DeviceMesh:
+    return mesh_from_layout(layout, device_type)
+
+
+def _to_layout(x, layout, *, mesh: DeviceMesh | None, arg: str):
+    """``x`` as a DTensor laid out as ``layout``; plain tensors are this rank's local piece."""
+    if layout is None or not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(layout, Layout):
+        placements = layout.to_placements()
+        lmesh = _mesh_of(layout, x.device.type if x.device.type != "meta" else "cpu")
+        if isinstance(x, DTensor) and x.device_mesh != lmesh:
+            raise MeshError(
+                f"{arg}: the Layout's mesh {lmesh} differs from the tensor's mesh "
+                f"{x.device_mesh}: build the Layout with the same shape, axis names and ranks"
+            )
+        mesh = lmesh
+    else:
+        placements = tuple(layout) if isinstance(layout, (tuple, list)) else (layout,)
+        if not all(isinstance(p, Placement) for p in placements):
+            raise LayoutError(f"{arg}={layout!r} must be a bound Layout or a tuple of placements")
+        mesh = x.device_mesh if isinstance(x, DTensor) else mesh
+        if mesh is None:
+            raise LayoutError(
+                f"{arg}: placements need a mesh; pass a Layout, or a DTensor argument first"
+            )
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, placements) if x.placements != tuple(placements) else x
+    return DTensor.from_local(x, mesh, placements)
+
+
+def _first_mesh(args) -> DeviceMesh | None:
+    for a in args:
+        if isinstance(a, DTensor):
+            return a.device_mesh
+    return None
+
+
+def _check_len(values, layouts, arg):
+    if layouts is not None and len(layouts) != len(values):
+        raise LayoutError(
+            f"{arg} has {len(layouts)} entries for {len(values)} values: give one (or None) each"
+        )
+
+
+def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
+    """Shard ``module`` in place from Layouts; returns it.
+
+    ``sharding_plan``::
+
+        {"parameter": {"weight": lay("tp", "None"), "fc2.bias": lay("None")},
+         "forward": {"input": (lay("dp", "None"),), "output": (lay("dp", "None"),),
+                     "use_local_output": False}}
+
+    Parameters (dotted names relative to ``module``) become DTensors with their Layout.
+    Forward inputs that are plain tensors are taken as this rank's local piece of the given
+    Layout (DTensors are redistributed to it); outputs are redistributed to the output Layouts
+    and returned as DTensors (or local tensors with ``"use_local_output": True``). ``None``
+    leaves an entry alone. Every name and length is checked before any parameter moves.
+    """
+    unknown = set(sharding_plan) - {"parameter", "forward"}
+    if unknown:
+        raise LayoutError(
+            f"sharding_plan keys {sorted(unknown)} unknown: use 'parameter' and 'forward'"
+        )
+    params = dict(sharding_plan.get("parameter", {}))
+    names = dict(module.named_parameters())
+    for name, lay in params.items():
+        if name not in names:
+            raise LayoutError(
+                f"sharding_plan['parameter'] names {name!r}, which is not a parameter of "
+                f"{type(module).__name__}: it has {sorted(names)}"
+            )
+        if not isinstance(lay, Layout) or lay.tensor_map is None:
+            raise LayoutError(f"sharding_plan['parameter'][{name!r}] must be a bound Layout")
+        if len(lay.tensor_map) != names[name].ndim:
+            raise LayoutError(
+                f"Layout for {name!r} has {len(lay.tensor_map)} dims, the parameter has "
+                f"{names[name].ndim}"
+            )
+    fwd = dict(sharding_plan.get("forward", {}))
+    for name, lay in params.items():
+        mod_name, _, pname = name.rpartition(".")
+        sub = module.get_submodule(mod_name)
+        p = getattr(sub, pname)
+        dt = distribute_tensor(p.data, lay)
+        sub.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+    in_layouts = fwd.get("input")
+    out_layouts = fwd.get("output")
+    use_local = bool(fwd.get("use_local_output", False))
+    if in_layouts is not None:
+        in_layouts = tuple(in_layouts)
+
+        def pre(mod, args):
+            _check_len(args[: len(in_layouts)], in_layouts, "forward input layouts")
+            return tuple(
+                _to_layout(a, in_layouts[i], mesh=None, arg=f"forward input {i}")
+                if i < len(in_layouts)
+                else a
+                for i, a in enumerate(args)
+            )
+
+        module.register_forward_pre_hook(pre)
+    if out_layouts is not None or use_local:
+        outs = tuple(out_layouts) if out_layouts is not None else None
+
+        def post(mod, args, out):
+            single = not isinstance(out, tuple)
+            items = (out,) if single else out
+            res = []
+            for i, o in enumerate(items):
+                lay = outs[i] if outs is not None and i < len(outs) else None
+                o = _to_layout(o, lay, mesh=None, arg=f"forward output {i}")
+                if use_local and isinstance(o, DTensor):
+                    o = o.to_local()
+                res.append(o)
+            return res[0] if single else tuple(res)
+
+        module.register_forward_hook(post)
+    return module
+
+
+def custom_shard(
+    fn: Callable,
+    *,
+    in_layouts: Sequence[Any],
+    out_layouts: Sequence[Any],
+) -> Callable:
+    """Wrap ``fn`` (code on local tensors) for use inside a DTensor program.
+
+    The wrapper redistributes each DTensor argument to ``in_layouts[i]`` (a bound Layout, a tuple
+    of placements, or None to pass it as it is), calls ``fn`` on the local tensors, and wraps its
+    outputs as DTensors laid out as ``out_layouts`` (shapes assume even shards, as in
+    ``from_local``). Differentiable.
+
+    Example::
+
+        lay = Layout((2, 2), ("dp", "tp"))("dp", "tp")
+        fused_gelu = custom_shard(my_kernel, in_layouts=(lay,), out_layouts=(lay,))
+    """
+    in_layouts = tuple(in_layouts)
+    out_layouts = tuple(out_layouts)
+
+    def wrapper(*args):
+        _check_len(args, in_layouts, "in_layouts")
+        mesh = _first_mesh(args)
+        locals_ = []
+        for i, (a, lay) in enumerate(zip(args, in_layouts)):
+            d = _to_layout(a, lay, mesh=mesh, arg=f"in_layouts[{i}]") if lay is not None else a
+            locals_.append(d.to_local() if isinstance(d, DTensor) else d)
+        out = fn(*locals_)
+        single = not isinstance(out, (tuple, list))
+        items = (out,) if single else tuple(out)
+        _check_len(items, out_layouts, "out_layouts")
+        res = [
+            _to_layout(o, lay, mesh=mesh, arg=f"out_layouts[{i}]") if lay is not None else o
+            for i, (o, lay) in enumerate(zip(items, out_layouts))
+        ]
+        return res[0] if single else tuple(res)
+
+    wrapper.__name__ = getattr(fn, "__name__", "custom_shard")
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+class DFunction(torch.autograd.Function):
+    """A distributed autograd function: ``forward``/``backward`` on local tensors, with declared
+    layouts.
+
+    Subclasses set ``in_layouts`` and ``out_layouts`` (bound Layouts, placement tuples, or None
+    per argument) and write ``forward(ctx, *locals)`` / ``backward(ctx, *grads)`` as for
+    ``torch.autograd.Function``. ``MyFn.apply(*args)`` redistributes DTensor arguments to
+    ``in_layouts``, runs the function on their local tensors and wraps outputs with
+    ``out_layouts``; gradients reach the DTensor arguments in their own placements.
+
+    Example::
+
+        class ScaledMatmul(DFunction):
+            in_layouts = ((Shard(0),), (Replicate(),))
+            out_layouts = ((Shard(0),),)
+
+            @staticmethod
+            def forward(ctx, x, w):
+                ctx.save_for_backward(x, w)
+                return 2 * x @ w
+
+            @staticmethod
+            def backward(ctx, g):
+                x, w = ctx.saved_tensors
+                return 2 * g @ w.T, 2 * x.T @ g   # the w gradient is partial: see below
+
+    A replicated input whose gradient is computed from sharded data is partial on each rank; list
+    its index in ``reduce_grads`` (``{index: "sum"}``) and the gradient is all-reduced over the
+    mesh dims where that input is replicated.
+    """
+
+    in_layouts: tuple = ()
+    out_layouts: tuple = ()
+    reduce_grads: dict = {}
+
+    @classmethod
+    def apply(cls, *args):  # type: ignore[override]
+        _check_len(args, cls.in_layouts, f"{cls.__name__}.in_layouts")
+        mesh = _first_mesh(args)
+        locals_ = []
+        specs = []
+        for i, (a, lay) in enumerate(zip(args, cls.in_layouts)):
+            d = (
+                _to_layout(a, lay, mesh=mesh, arg=f"{cls.__name__}.in_layouts[{i}]")
+                if lay is not None
+                else a
+            )
+            if isinstance(d, DTensor):
+                local = d.to_local()
+                op = cls.reduce_grads.get(i)
+                if op and torch.is_grad_enabled() and local.requires_grad:
+                    dims = tuple(
+                        (m, op)
+                        for m, p in enumerate(d.placements)
+                        if p.is_replicate() and d.device_mesh.shape[m] > 1
+                    )
+                    if dims:
+                        from ._redistribute import AllReduceGrad
+
+                        local = AllReduceGrad.apply(local, d.device_mesh, dims)
+                locals_.append(local)
+                specs.append(d)
+            else:
+                locals_.append(d)
+        out = super().apply(*locals_)
+        single = not isinstance(out, (tuple, list))
+        items = (out,) if single else tuple(out)
+        _check_len(items, cls.out_layouts, f"{cls.__name__}.out_layouts")
+        res = [
+            _to_layout(o, lay, mesh=mesh, arg=f"{cls.__name__}.out_layouts[{i}]")
+            if lay is not None
+            else o
+            for i, (o, lay) in enumerate(zip(items, cls.out_layouts))
+        ]
+        return res[0] if single else tuple(res)
+
+
+@contextlib.contextmanager
+def SkipDTensorDispatch():  # noqa: N802 - the public name is a class-like context manager
+    """Run torch ops on DTensors' local tensors directly, with no sharding rules or
+    communication, e.g. in gradient hooks. Out-of-place ops return plain (local) tensors;
+    in-place ops modify the local tensor and return the DTensor itself, keeping its identity.
+    """
+    prev = _dtensor._MODE["skip"]
+    _dtensor._MODE["skip"] = True
+    try:
+        yield
+    finally:
+        _dtensor._MODE["skip"] = prev

@@ -1,0 +1,35 @@
+"""Declarative tensor, sequence and loss parallelism on top of ``hp_dtensor``.
+
+Styles are immutable values applied to submodules chosen by path patterns::
+
+    from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(block, tp_mesh, {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+    })
+"""
+
+from ._api import parallelize_module
+from ._loss import loss_parallel
+from ._style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]

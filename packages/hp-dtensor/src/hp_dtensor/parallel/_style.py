@@ -1,0 +1,314 @@
+"""Tensor- and sequence-parallel styles: immutable values that shard a module when applied.
+
+Applying a style never changes the style: it distributes the module's parameters and registers
+forward hooks that carry the style's (frozen) settings, so one style object can serve any number
+of modules. Styles work on a 1-D mesh (the tensor-parallel mesh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._dtensor import DTensor, distribute_tensor
+from .._mesh import DeviceMesh
+from .._placement import Placement, Replicate, Shard
+from ..errors import MeshError, PlacementError
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+]
+
+
+class ParallelStyle:
+    """Base class of the styles. ``apply(module, device_mesh)`` shards ``module`` in place."""
+
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
+    def validate(self, module: nn.Module, device_mesh: DeviceMesh, path: str) -> None:
+        """Check, without communicating, that the style fits ``module``; raise otherwise."""
+
+
+def _one_d(mesh: DeviceMesh, style: str) -> None:
+    if mesh.ndim != 1:
+        raise MeshError(
+            f"{style} needs a 1-D mesh (the tensor-parallel one), got {mesh}: pass mesh['tp']"
+        )
+
+
+def _placement(p, arg: str) -> Placement:
+    if isinstance(p, (tuple, list)) and len(p) == 1:
+        p = p[0]
+    if not isinstance(p, Placement):
+        raise PlacementError(f"{arg}={p!r} must be a placement such as Shard(1) or Replicate()")
+    return p
+
+
+def _as_dtensor(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None):
+    """A forward input as a DTensor with ``desired`` placement (plain tensors are local pieces
+    laid out as ``layout``)."""
+    if layout is None or not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [layout], run_check=False)
+    if desired is not None and x.placements != (desired,):
+        x = x.redistribute(mesh, [desired])
+    return x
+
+
+def _output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bool):
+    if isinstance(out, DTensor):
+        if layout is not None and out.placements != (layout,):
+            out = out.redistribute(mesh, [layout])
+        return out.to_local() if use_local else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_output(o, mesh, layout, use_local) for o in out)
+    return out
+
+
+def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement):
+    p = getattr(module, name, None)
+    if p is None or isinstance(p, DTensor):
+        return
+    dt = distribute_tensor(p.data, mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def _replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            _distribute_param(module, name, mesh, Replicate())
+
+
+@dataclass(frozen=True)
+class _Linearish(ParallelStyle):
+    input_layouts: Any = None
+    output_layouts: Any = None
+    use_local_output: bool = True
+
+    # (weight placement, bias placement, desired input, default input, default output)
+    def _plan(self, module) -> tuple:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def validate(self, module, device_mesh, path):
+        _one_d(device_mesh, type(self).__name__)
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise TypeError(
+                f"{type(self).__name__} applies to nn.Linear and nn.Embedding; {path!r} is a "
+                f"{type(module).__name__}: use PrepareModuleInput/Output or shard_module for it"
+            )
+
+    def apply(self, module, device_mesh):
+        self.validate(module, device_mesh, type(module).__name__)
+        w_pl, b_pl, desired_in, default_in, default_out = self._plan(module)
+        _distribute_param(module, "weight", device_mesh, w_pl)
+        if getattr(module, "bias", None) is not None:
+            _distribute_param(module, "bias", device_mesh, b_pl)
+        in_pl = _placement(self.input_layouts or default_in, "input_layouts")
+        out_pl = _placement(self.output_layouts or default_out, "output_layouts")
+        use_local = self.use_local_output
+
+        def pre(mod, inputs):
+            return (_as_dtensor(inputs[0], device_mesh, in_pl, desired_in), *inputs[1:])
+
+        def post(mod, inputs, out):
+            return _output(out, device_mesh, out_pl, use_local)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(_Linearish):
+    """Split a Linear's output features (an Embedding's embedding dim) over the mesh.
+
+    Input: ``input_layouts`` (default ``Replicate()``), gathered to replicated. Output: sharded
+    on the last dim, redistributed to ``output_layouts`` (default ``Shard(-1)``); returned as the
+    local tensor when ``use_local_output``.
+    """
+
+    def _plan(self, module):
+        if isinstance(module, nn.Embedding):
+            return Shard(1), None, Replicate(), Replicate(), Shard(-1)
+        return Shard(0), Shard(0), Replicate(), Replicate(), Shard(-1)
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(_Linearish):
+    """Split a Linear's input features (an Embedding's vocabulary) over the mesh.
+
+    Input: ``input_layouts`` (default ``Shard(-1)``; replicated ids for an Embedding). The local
+    products are partial sums, reduced to ``output_layouts`` (default ``Replicate()``: an
+    all-reduce; ``Shard(1)``: a reduce-scatter for sequence parallelism).
+    """
+
+    def _plan(self, module):
+        if isinstance(module, nn.Embedding):
+            return Shard(0), None, Replicate(), Replicate(), Replicate()
+        return Shard(1), Replicate(), Shard(-1), Shard(-1), Replicate()
+
+
+@dataclass(frozen=True)
+class SequenceParallel(ParallelStyle):
+    """Run a norm or dropout on activations sharded along ``sequence_dim``.
+
+    Parameters are replicated (their gradients are all-reduced in backward, since each rank sees
+    part of the sequence). Plain inputs are taken as local sequence shards; the output stays a
+    DTensor unless ``use_local_output``.
+    """
+
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+    def validate(self, module, device_mesh, path):
+        _one_d(device_mesh, "SequenceParallel")
+
+    def apply(self, module, device_mesh):
+        self.validate(module, device_mesh, type(module).__name__)
+        _replicate_rest(module, device_mesh)
+        seq = Shard(self.sequence_dim)
+        use_local = self.use_local_output
+
+        def pre(mod, inputs):
+            return (_as_dtensor(inputs[0], device_mesh, seq, seq), *inputs[1:])
+
+        def post(mod, inputs, out):
+            return _output(out, device_mesh, None, use_local)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+
+def _tuple(x):
+    if x is None:
+        return None
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@dataclass(frozen=True)
+class PrepareModuleInput(ParallelStyle):
+    """Annotate a module's inputs with ``input_layouts`` and redistribute them to
+    ``desired_input_layouts`` (entries ``None`` are left alone); the same for keyword inputs."""
+
+    input_layouts: Any = None
+    desired_input_layouts: Any = None
+    input_kwarg_layouts: dict | None = None
+    desired_input_kwarg_layouts: dict | None = None
+    use_local_output: bool = False
+
+    def validate(self, module, device_mesh, path):
+        _one_d(device_mesh, "PrepareModuleInput")
+        ins, des = _tuple(self.input_layouts), _tuple(self.desired_input_layouts)
+        if ins is not None and des is not None and len(ins) != len(des):
+            raise PlacementError(
+                f"input_layouts has {len(ins)} entries but desired_input_layouts {len(des)} "
+                f"(module {path!r}): give one entry (or None) per input"
+            )
+
+    def apply(self, module, device_mesh):
+        self.validate(module, device_mesh, type(module).__name__)
+        ins = _tuple(self.input_layouts) or ()
+        des = _tuple(self.desired_input_layouts) or (None,) * len(ins)
+        kw_in = dict(self.input_kwarg_layouts or {})
+        kw_des = dict(self.desired_input_kwarg_layouts or {})
+        use_local = self.use_local_output
+
+        def convert(x, layout, desired):
+            out = _as_dtensor(x, device_mesh, layout, desired)
+            return out.to_local() if use_local and isinstance(out, DTensor) else out
+
+        def pre(mod, args, kwargs):
+            new_args = tuple(
+                convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
+            )
+            new_kwargs = {
+                k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
+                for k, v in kwargs.items()
+            }
+            return new_args, new_kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True)
+class PrepareModuleOutput(ParallelStyle):
+    """Annotate a module's outputs with ``output_layouts`` and redistribute them to
+    ``desired_output_layouts``; returned as local tensors when ``use_local_output``."""
+
+    output_layouts: Any = None
+    desired_output_layouts: Any = None
+    use_local_output: bool = True
+
+    def validate(self, module, device_mesh, path):
+        _one_d(device_mesh, "PrepareModuleOutput")
+
+    def apply(self, module, device_mesh):
+        self.validate(module, device_mesh, type(module).__name__)
+        outs = _tuple(self.output_layouts) or ()
+        des = _tuple(self.desired_output_layouts) or (None,) * len(outs)
+        use_local = self.use_local_output
+
+        def post(mod, inputs, out):
+            single = not isinstance(out, tuple)
+            items = (out,) if single else out
+            res = []
+            for i, o in enumerate(items):
+                if i < len(outs) and isinstance(o, torch.Tensor):
+                    o = _as_dtensor(o, device_mesh, outs[i], des[i])
+                    if use_local and isinstance(o, DTensor):
+                        o = o.to_local()
+                res.append(o)
+            return res[0] if single else tuple(res)
+
+        module.register_forward_hook(post)
+        return module
+
+
+@dataclass(frozen=True)
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` and ``PrepareModuleOutput`` in one style."""
+
+    input_layouts: Any = None
+    desired_input_layouts: Any = None
+    input_kwarg_layouts: dict | None = None
+    desired_input_kwarg_layouts: dict | None = None
+    use_local_input: bool = False
+    output_layouts: Any = None
+    desired_output_layouts: Any = None
+    use_local_output: bool = True
+
+    def _parts(self):
+        return (
+            PrepareModuleInput(
+                self.input_layouts,
+                self.desired_input_layouts,
+                self.input_kwarg_layouts,
+                self.desired_input_kwarg_layouts,
+                self.use_local_input,
+            ),
+            PrepareModuleOutput(
+                self.output_layouts, self.desired_output_layouts, self.use_local_output
+            ),
+        )
+
+    def validate(self, module, device_mesh, path):
+        for part in self._parts():
+            part.validate(module, device_mesh, path)
+
+    def apply(self, module, device_mesh):
+        for part in self._parts():
+            part.apply(module, device_mesh)
+        return module
