@@ -58,6 +58,7 @@ def _make(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     r = _mws(DTensor, spec.shape, dtype=spec.dtype, device=local.device)
     r._local = local
     r._spec = spec
+    r._gr = None
     return r
 
 
@@ -87,7 +88,7 @@ class DTensor(torch.Tensor):
         y.full_tensor()                  # the sum, on every rank
     """
 
-    __slots__ = ("_local", "_spec")
+    __slots__ = ("_local", "_spec", "_gr")
     _local: torch.Tensor
     _spec: DTensorSpec
 
@@ -430,6 +431,7 @@ class DTensor(torch.Tensor):
                     r = _mws(DTensor, spec.shape, dtype=spec.dtype, device=out.device)
                     r._local = out
                     r._spec = spec
+                    r._gr = None
                     return r
             return op(func, args, kwargs)
         h = _SPECIAL.get(func)
@@ -592,6 +594,8 @@ def _key_of(a):
         return a._spec
     if t is float:
         return float
+    if t is bool:  # True == 1 and hash(True) == hash(1), but x[True] is not x[1]
+        return (bool, a)
     if t in _ATOMIC:
         return a
     if t is tuple or t is list or t is torch.Size:
@@ -603,7 +607,7 @@ def _key_of(a):
     if isinstance(a, DTensor):
         return a._spec
     if isinstance(a, torch.Tensor):
-        if a.ndim == 0:
+        if a.ndim == 0 and not a.requires_grad:
             return ("0d", a.dtype, a.device.type)
         raise _Mixed
     try:
@@ -628,7 +632,7 @@ def _op_name(func) -> str:
 class _Op:
     """Dispatch state of one torch callable: its rule and a cache of plans by input specs."""
 
-    __slots__ = ("name", "rule", "cache", "inplace", "warned", "moded")
+    __slots__ = ("name", "rule", "cache", "inplace", "warned", "moded", "fvals", "view")
 
     def warned_once(self) -> bool:
         """True after the first call: the fallback warning is given once per op."""
@@ -643,26 +647,43 @@ class _Op:
         if self.rule is None and base.startswith("__") and base.endswith("__"):
             alt = _DUNDER_NAME.get(base, base[2:-2])
             self.rule = get_sharding_rule(alt)
-        self.inplace = (base.endswith("_") and not base.endswith("__")) or (
-            base.startswith("__i")
-            and base.endswith("__")
-            and base not in ("__index__", "__int__", "__invert__", "__iter__")
+        self.inplace = (
+            (base.endswith("_") and not base.endswith("__"))
+            or (
+                base.startswith("__i")
+                and base.endswith("__")
+                and base not in ("__index__", "__int__", "__invert__", "__iter__")
+            )
+            or base == "__setitem__"
         )
         self.cache: dict = {}
         self.warned = False
-        self.moded = base in _MODE_SENSITIVE
+        self.fvals = base in _FLOAT_VALUE_OPS
+        self.moded = base in _MODE_SENSITIVE or self.fvals
+        self.view = base in _VIEW_OPS
 
     def __call__(self, func, args, kwargs):
+        if kwargs and kwargs.get("out") is not None:
+            raise ShardingError(
+                f"{self.name}: out= is not supported with DTensor arguments; assign the result "
+                "instead (y = op(...)) or copy_ it into the destination"
+            )
         try:
             key = tuple([a._spec if type(a) is DTensor else _key_of(a) for a in args])
             if kwargs:
                 key = (key, tuple((k, _key_of(v)) for k, v in kwargs.items()))
             if self.moded:  # never equal to a hot-path key, so the mode is always consulted
                 key = ("mode", _MODE["loss_parallel"], key)
+                if self.fvals:  # a rule that reads float values (sdpa's dropout_p)
+                    key = (
+                        key,
+                        tuple(a for a in args if type(a) is float),
+                        tuple(v for v in (kwargs or {}).values() if type(v) is float),
+                    )
         except _Uncacheable:
             return self._build(func, args, kwargs).run(func, args, kwargs)
         except _Mixed:
-            if self.name in _REPLICATE_PLAIN:
+            if self.name in _REPLICATE_PLAIN or _only_scalar_tensors(args, kwargs):
                 return self(func, *_replicate_plain(args, kwargs))
             raise ShardingError(
                 f"{self.name}: got a mix of DTensor and torch.Tensor arguments; distribute the "
@@ -692,8 +713,8 @@ class _Op:
                     f"{self.name}: operands are on different meshes ({mesh} and "
                     f"{d._spec.mesh}); redistribute them onto one mesh first"
                 )
-        if self.rule is None:
-            return _Fallback(self, paths, dts, self.inplace)
+        if self.rule is None or kwargs.get("inplace") is True:
+            return _Fallback(self, paths, dts, self.inplace or kwargs.get("inplace") is True)
         metas = [TensorMeta(d._spec.shape, d._spec.placements) for d in dts]
         call_args = _substitute(args, iter(metas))
         it = iter(metas[_count(args) :])
@@ -710,6 +731,84 @@ class _Op:
 
 #: ops whose plain-tensor arguments (targets, class weights) are taken as replicated
 _REPLICATE_PLAIN = frozenset({"cross_entropy", "nll_loss"})
+#: ops whose rule reads a float argument's value
+_FLOAT_VALUE_OPS = frozenset({"scaled_dot_product_attention"})
+#: ops whose result is a view of their first input (in-place ops must write through them)
+_VIEW_OPS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "expand",
+        "expand_as",
+        "flatten",
+        "unflatten",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        "permute",
+        "movedim",
+        "moveaxis",
+        "unsqueeze",
+        "squeeze",
+        "get_T",
+        "get_mT",
+        "__getitem__",
+        "select",
+        "narrow",
+        "split",
+        "chunk",
+        "unbind",
+        "tensor_split",
+        "split_with_sizes",
+        "diagonal",
+        "as_strided",
+        "detach",
+        "alias",
+    }
+)
+_COPY_VIEW = "copy_view"
+
+
+def _only_scalar_tensors(args, kwargs) -> bool:
+    """True when every plain tensor among the arguments is 0-d (a scalar that requires grad)."""
+    plain = []
+
+    def walk(x):
+        if isinstance(x, DTensor):
+            return
+        if isinstance(x, torch.Tensor):
+            plain.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+
+    walk(args)
+    walk(list((kwargs or {}).values()))
+    return bool(plain) and all(t.ndim == 0 for t in plain)
+
+
+def _check_writable(d: DTensor, name: str):
+    """For an in-place op on ``d``: None when ``d`` owns its data; (base, index) when ``d`` is
+    a redistributed copy of ``base[index]`` (the caller writes the result back); raises for a
+    copy made by another view op, which cannot be written back."""
+    info = d._gr.get(_COPY_VIEW) if d._gr is not None else None
+    if info is None or isinstance(info, tuple):
+        return info
+    raise ShardingError(
+        f"{name}: in-place op on a DTensor view that had to be redistributed (a copy, not a "
+        "view of the original): write to the original, e.g. with index_copy_/masked_fill_, "
+        "or assign the result"
+    )
+
+
+def _write_back(info, d: DTensor) -> None:
+    if info is not None:
+        base, index = info
+        with torch.no_grad():
+            base[index] = d
 
 
 def _replicate_plain(args, kwargs):
@@ -719,7 +818,7 @@ def _replicate_plain(args, kwargs):
     pl = (_REPLICATE,) * mesh.ndim
 
     def conv(x):
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
             spec = DTensorSpec(mesh, pl, x.shape, contiguous_strides(x.shape), x.dtype)
             return _make(x, spec)
         return x
@@ -951,6 +1050,7 @@ class _Planned:
 
     def _run_general(self, func, args, kwargs):
         dts = [_get(args, p) if p[0] != "kw" else _get(kwargs, p[1:]) for p in self.paths]
+        back = _check_writable(dts[0], self.op.name) if self.inplace else None
         grad = torch.is_grad_enabled()
         locals_ = []
         for d, tgt in zip(dts, self.targets):
@@ -958,7 +1058,7 @@ class _Planned:
         if grad and self.grad_fix:
             for i, dims in self.grad_fix:
                 if locals_[i].requires_grad:
-                    locals_[i] = AllReduceGrad.apply(locals_[i], self.mesh, dims)
+                    locals_[i] = _grad_reduced(dts[i], locals_[i], self.targets[i], self.mesh, dims)
         largs, lkwargs = _replace(args, kwargs, self.paths, locals_)
         if self.kernel is not None:
             specs = [t if t is not None else d._spec for t, d in zip(self.targets, dts)]
@@ -966,17 +1066,41 @@ class _Planned:
         else:
             out = func(*largs, **lkwargs)
         if self.inplace:
+            _write_back(back, dts[0])
             return dts[0]
         if self.multi:
             res = []
+            copy_view = self.op.view and any(t is not None for t in self.targets)
             for o, s in zip(out, self.out):
                 if self.adapt:
                     o = _partial_adapters(o, s, from_local=False)
-                res.append(_make(o, s))
+                r = _make(o, s)
+                if copy_view:
+                    r._gr = {_COPY_VIEW: True}
+                res.append(r)
             return type(out)(res) if isinstance(out, tuple) and not hasattr(out, "_fields") else res
         if self.adapt:
             out = _partial_adapters(out, self.out, from_local=False)
-        return _make(out, self.out)
+        res = _make(out, self.out)
+        if self.op.view and any(t is not None for t in self.targets):
+            basic = self.op.name == "__getitem__" and len(args) == 2 and not kwargs
+            res._gr = {_COPY_VIEW: (args[0], args[1]) if basic else True}
+        return res
+
+
+def _grad_reduced(d: DTensor, local, target, mesh, dims):
+    """``local`` behind one AllReduceGrad node per (activation, mesh dims): several split uses
+    of one replicated activation (wq, wk, wv reading the same input) then sum their partial
+    gradients first and all-reduce once."""
+    if target is not None or local.is_leaf or local is not d._local:
+        return AllReduceGrad.apply(local, mesh, dims)
+    cache = d._gr
+    if cache is None:
+        cache = d._gr = {}
+    hit = cache.get(dims)
+    if hit is None or hit[0] is not local:
+        hit = cache[dims] = (local, AllReduceGrad.apply(local, mesh, dims))
+    return hit[1]
 
 
 class _Fallback:
@@ -998,6 +1122,7 @@ class _Fallback:
     def run(self, func, args, kwargs):
         kwargs = kwargs or {}
         dts = [_get(args, p) if p[0] != "kw" else _get(kwargs, p[1:]) for p in self.paths]
+        back = _check_writable(dts[0], self.op.name) if self.inplace and dts else None
         fulls = [_full(d) for d in dts]
         if self.inplace and dts:
             self_dt = dts[0]
@@ -1016,9 +1141,19 @@ class _Fallback:
                     fulls[0], spec.mesh, rspec.placements, spec.placements, spec.shape
                 )
                 self_dt._local.copy_(new_local)
+            _write_back(back, self_dt)
             return self_dt
         mesh = dts[0]._spec.mesh if dts else None
-        return _wrap_replicated(out, mesh)
+        res = _wrap_replicated(out, mesh)
+        if (
+            self.op.view
+            and self.op.name != "__getitem__"
+            and any(any(type(p) is not Replicate for p in d._spec.placements) for d in dts)
+        ):
+            for r in res if isinstance(res, (list, tuple)) else (res,):
+                if isinstance(r, DTensor):
+                    r._gr = {_COPY_VIEW: True}
+        return res
 
 
 _QUIET = frozenset(
@@ -1110,6 +1245,7 @@ def _random_inplace(func, args, kwargs):
     """
     in_kw = not args
     self = kwargs["tensor"] if in_kw else args[0]
+    back = _check_writable(self, _op_name(func))
     spec = self._spec
     if spec.has_partial():
         raise ShardingError(
@@ -1128,6 +1264,7 @@ def _random_inplace(func, args, kwargs):
     if full is not self._local:
         with torch.no_grad():
             self._local.copy_(_take_local(full, spec))
+    _write_back(back, self)
     return self
 
 

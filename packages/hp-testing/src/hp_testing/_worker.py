@@ -101,6 +101,9 @@ def _destroy() -> None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            # wait for the peers first: a rank that tears down its gloo connections while
+            # another still uses them can abort the process at exit
+            dist.barrier()
             dist.destroy_process_group()
     except Exception:
         pass

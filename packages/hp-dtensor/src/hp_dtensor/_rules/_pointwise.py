@@ -5,7 +5,7 @@ from __future__ import annotations
 from .._placement import Partial, Placement, Replicate, Shard
 from ._core import REPLICATE, Call, Strategy, TensorMeta, per_mesh_dim
 
-__all__ = ["pointwise_rule", "like_factory_rule", "broadcast_shape"]
+__all__ = ["pointwise_rule", "like_factory_rule", "broadcast_shape", "cast_rule"]
 
 
 def broadcast_shape(shapes) -> tuple[int, ...]:
@@ -45,6 +45,10 @@ def pointwise_rule(call: Call, *, linear: str = "none", inplace: bool = False) -
     ts = call.tensors
     if not ts:
         return None
+    if linear == "all" and any(_is_number(a) for a in call.args):
+        linear = "none"  # x + 1 on partial values would add 1 on every rank
+    if linear == "first" and not isinstance(call.args[0] if call.args else None, TensorMeta):
+        linear = "none"  # torch.div(2.0, x): x is the denominator
     out_shape = broadcast_shape([t.shape for t in ts])
     if inplace and ts[0].shape != out_shape:
         return None
@@ -70,7 +74,7 @@ def pointwise_rule(call: Call, *, linear: str = "none", inplace: bool = False) -
             ops = {cur[i].reduce_op for i in partial_idx}
             if not shard_out and len(ops) == 1:
                 op = ops.pop()
-                if linear == "all" and (op in ("sum", "avg") or n == 1):
+                if linear == "all" and op in ("sum", "avg"):
                     return [Partial(op)] * n, Partial(op)
                 lin_slots = {"first": (0,), "one": tuple(range(n))}.get(linear, ())
                 if len(partial_idx) == 1 and partial_idx[0] in lin_slots and op in ("sum", "avg"):
@@ -93,11 +97,37 @@ def _shard_targets(ts, target_o, out_shape) -> list[Placement]:
 
 def _partial_inplace(cur, self_p: Partial, linear: str):
     n = len(cur)
-    if linear == "all" and self_p.reduce_op in ("sum", "avg"):
+    if self_p.reduce_op not in ("sum", "avg"):
+        raise _NeedFallback
+    if linear == "all":
         return [self_p] * n, self_p
     if linear in ("first", "one"):
         return [self_p] + [REPLICATE] * (n - 1), self_p
     raise _NeedFallback
+
+
+def _is_number(a) -> bool:
+    """A Python number, or anything number-like (a 0-d tensor), among an op's operands."""
+    if isinstance(a, (TensorMeta, str, bytes)) or a is None:
+        return False
+    return isinstance(a, (int, float, complex)) or hasattr(a, "__float__")
+
+
+def cast_rule(call: Call, *, linear: bool) -> Strategy:
+    """Dtype/device casts (``to``, ``type_as``, ``float``...): the output follows the first
+    tensor; other tensors (``type_as(other)``) only lend their dtype and never move. Partial
+    values pass through only widening float casts (``linear``)."""
+    x = call.tensors[0]
+    keep = linear and all(
+        not isinstance(p, Partial) or p.reduce_op in ("sum", "avg") for p in x.placements
+    )
+    pl = (
+        x.placements
+        if keep
+        else tuple(REPLICATE if isinstance(p, Partial) else p for p in x.placements)
+    )
+    inputs = [None if pl == x.placements else pl] + [None] * (len(call.tensors) - 1)
+    return Strategy(inputs, pl)
 
 
 class _NeedFallback(Exception):

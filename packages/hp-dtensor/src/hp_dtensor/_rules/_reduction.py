@@ -42,6 +42,9 @@ def reduction_rule(
     reduced dims must be gathered first (var, norm, argmax...). ``tuple_out`` for ops returning
     (values, indices) when given a dim.
     """
+    if kind == "nansum":  # shards add up, but NaNs inside partial values do not
+        partial_in = any(isinstance(p, Partial) for p in call.tensors[0].placements)
+        kind = None if partial_in else "sum"
     x = call.tensors[0]
     dim = call.arg(dim_pos, "dim", None)
     if isinstance(dim, tuple) and not dim and call.name in ("amax", "amin"):

@@ -24,166 +24,42 @@ from ._complex import (
     softmax_rule,
 )
 from ._core import Call, register_sharding_rule
-from ._pointwise import like_factory_rule, pointwise_rule, safe
+from ._pointwise import cast_rule, like_factory_rule, pointwise_rule, safe
 from ._reduction import reduction_rule
 from ._view import cat_rule, getitem_rule, permute_like_rule, reshape_rule, split_rule, stack_rule
 
+# fmt: off
 # -- pointwise -----------------------------------------------------------------------------
 #: Linear in every tensor argument: Partial inputs give a Partial output.
 POINTWISE_LINEAR = (
-    "add",
-    "sub",
-    "subtract",
-    "rsub",
-    "neg",
-    "negative",
-    "positive",
-    "clone",
-    "contiguous",
-    "to",
-    "type",
-    "type_as",
-    "float",
-    "double",
-    "half",
-    "bfloat16",
-    "cpu",
-    "cuda",
-    "real",
-    "conj",
-    "zero",
-    "copy",
+    "add", "sub", "subtract", "rsub", "neg", "negative", "positive", "clone", "contiguous",
+    "real", "conj", "zero", "copy",
 )
+#: Casts: the output follows the first tensor (``type_as(other)`` never moves ``other``).
+#: Widening float casts let Partial values through; narrowing and integer casts reduce first.
+CASTS_LINEAR = ("float", "double", "cpu", "cuda")
+CASTS = ("to", "type", "type_as", "half", "bfloat16", "bool", "int", "long", "short", "byte",
+         "char")
 #: Linear in any single tensor when the others are replicated.
 POINTWISE_MUL = ("mul", "multiply")
 #: Linear in the first tensor when the others are replicated.
 POINTWISE_DIV = ("div", "divide", "true_divide")
 #: Elementwise but not linear: Partial inputs are reduced first.
 POINTWISE = (
-    "abs",
-    "absolute",
-    "acos",
-    "arccos",
-    "acosh",
-    "asin",
-    "arcsin",
-    "asinh",
-    "atan",
-    "arctan",
-    "atan2",
-    "arctan2",
-    "atanh",
-    "bitwise_and",
-    "bitwise_not",
-    "bitwise_or",
-    "bitwise_xor",
-    "ceil",
-    "clamp",
-    "clamp_min",
-    "clamp_max",
-    "clip",
-    "copysign",
-    "cos",
-    "cosh",
-    "deg2rad",
-    "digamma",
-    "elu",
-    "eq",
-    "erf",
-    "erfc",
-    "erfinv",
-    "exp",
-    "exp2",
-    "expm1",
-    "fill",
-    "floor",
-    "floor_divide",
-    "fmod",
-    "frac",
-    "ge",
-    "gelu",
-    "greater",
-    "greater_equal",
-    "gt",
-    "hardsigmoid",
-    "hardswish",
-    "hardtanh",
-    "heaviside",
-    "hypot",
-    "isfinite",
-    "isinf",
-    "isnan",
-    "le",
-    "leaky_relu",
-    "lerp",
-    "less",
-    "less_equal",
-    "lgamma",
-    "log",
-    "log10",
-    "log1p",
-    "log2",
-    "logical_and",
-    "logical_not",
-    "logical_or",
-    "logical_xor",
-    "logit",
-    "lt",
-    "masked_fill",
-    "maximum",
-    "minimum",
-    "fmax",
-    "fmin",
-    "mish",
-    "nan_to_num",
-    "ne",
-    "not_equal",
-    "pow",
-    "float_power",
-    "rad2deg",
-    "reciprocal",
-    "relu",
-    "relu6",
-    "remainder",
-    "round",
-    "rsqrt",
-    "selu",
-    "celu",
-    "sigmoid",
-    "sign",
-    "sgn",
-    "signbit",
-    "silu",
-    "sin",
-    "sinc",
-    "sinh",
-    "softplus",
-    "softsign",
-    "sqrt",
-    "square",
-    "tan",
-    "tanh",
-    "tanhshrink",
-    "threshold",
-    "trunc",
-    "fix",
-    "where",
-    "xlogy",
-    "addcmul",
-    "addcdiv",
-    "bool",
-    "int",
-    "long",
-    "short",
-    "byte",
-    "char",
-    "logsigmoid",
-    "int_repr",
-    "isclose",
-    "nextafter",
-    "bitwise_left_shift",
-    "bitwise_right_shift",
-    "i0",
+    "abs", "absolute", "acos", "arccos", "acosh", "asin", "arcsin", "asinh", "atan", "arctan",
+    "atan2", "arctan2", "atanh", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor",
+    "ceil", "clamp", "clamp_min", "clamp_max", "clip", "copysign", "cos", "cosh", "deg2rad",
+    "digamma", "elu", "eq", "erf", "erfc", "erfinv", "exp", "exp2", "expm1", "fill", "floor",
+    "floor_divide", "fmod", "frac", "ge", "gelu", "greater", "greater_equal", "gt",
+    "hardsigmoid", "hardswish", "hardtanh", "heaviside", "hypot", "isfinite", "isinf", "isnan",
+    "le", "leaky_relu", "lerp", "less", "less_equal", "lgamma", "log", "log10", "log1p", "log2",
+    "logical_and", "logical_not", "logical_or", "logical_xor", "logit", "lt", "masked_fill",
+    "maximum", "minimum", "fmax", "fmin", "mish", "nan_to_num", "ne", "not_equal", "pow",
+    "float_power", "rad2deg", "reciprocal", "relu", "relu6", "remainder", "round", "rsqrt",
+    "selu", "celu", "sigmoid", "sign", "sgn", "signbit", "silu", "sin", "sinc", "sinh",
+    "softplus", "softsign", "sqrt", "square", "tan", "tanh", "tanhshrink", "threshold", "trunc",
+    "fix", "where", "xlogy", "addcmul", "addcdiv", "logsigmoid", "int_repr", "isclose",
+    "nextafter", "bitwise_left_shift", "bitwise_right_shift", "i0",
 )
 #: Python operators: dunder name -> (op family, in-place).
 DUNDERS = {
@@ -242,7 +118,7 @@ LIKE_FACTORIES = ("zeros_like", "ones_like", "empty_like", "full_like")
 # -- reductions: name -> (partial kind, dim position, keepdim position, returns (values, idx))
 REDUCTIONS = {
     "sum": ("sum", 1, 2, False),
-    "nansum": ("sum", 1, 2, False),
+    "nansum": ("nansum", 1, 2, False),
     "mean": ("avg", 1, 2, False),
     "nanmean": (None, 1, 2, False),
     "amax": ("max", 1, 2, False),
@@ -264,50 +140,22 @@ REDUCTIONS = {
 
 # -- views and shape ops ------------------------------------------------------------------
 PERMUTE_LIKE = (
-    "transpose",
-    "swapaxes",
-    "swapdims",
-    "t",
-    "permute",
-    "movedim",
-    "moveaxis",
-    "unsqueeze",
-    "squeeze",
-    "get_T",
-    "get_mT",
+    "transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "unsqueeze",
+    "squeeze", "get_T", "get_mT",
 )
 RESHAPES = (
-    "view",
-    "reshape",
-    "view_as",
-    "reshape_as",
-    "expand",
-    "expand_as",
-    "flatten",
-    "unflatten",
+    "view", "reshape", "view_as", "reshape_as", "expand", "expand_as", "flatten", "unflatten",
 )
 SPLITS = ("split", "chunk", "unbind", "tensor_split", "split_with_sizes")
 CATS = ("cat", "concat", "concatenate", "stack")
 
 # -- complex ops ---------------------------------------------------------------------------
 COMPLEX = (
-    "mm",
-    "bmm",
-    "matmul",
-    "addmm",
-    "linear",
-    "baddbmm",
-    "einsum",
-    "embedding",
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "rms_norm",
-    "scaled_dot_product_attention",
-    "cross_entropy",
-    "nll_loss",
-    "rotary_position_embedding",
+    "mm", "bmm", "matmul", "addmm", "linear", "baddbmm", "einsum", "embedding", "softmax",
+    "log_softmax", "layer_norm", "rms_norm", "scaled_dot_product_attention", "cross_entropy",
+    "nll_loss", "rotary_position_embedding",
 )
+# fmt: on
 
 
 def _register_all() -> None:
@@ -329,6 +177,10 @@ def _register_all() -> None:
             register_sharding_rule(
                 dunder, safe(partial(pointwise_rule, linear=fam, inplace=inplace))
             )
+    for name in CASTS_LINEAR:
+        register_sharding_rule(name, partial(cast_rule, linear=True))
+    for name in CASTS:
+        register_sharding_rule(name, partial(cast_rule, linear=False))
     for name in LIKE_FACTORIES:
         register_sharding_rule(name, like_factory_rule)
     for name, (kind, dpos, kpos, tup) in REDUCTIONS.items():

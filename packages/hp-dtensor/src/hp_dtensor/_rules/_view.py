@@ -191,8 +191,10 @@ def getitem_rule(call: Call) -> Strategy | None:
     if not isinstance(idx, tuple):
         idx = (idx,)
     for it in idx:
-        if not (it is None or it is Ellipsis or isinstance(it, (int, SliceKey))):
-            return None
+        if isinstance(it, bool) or not (
+            it is None or it is Ellipsis or isinstance(it, (int, SliceKey))
+        ):
+            return None  # x[True] adds a dim like None; advanced indexing: the fallback
     n_real = sum(1 for it in idx if it is not None and it is not Ellipsis)
     if n_real > x.ndim:
         return None

@@ -1,0 +1,164 @@
+"""TP=2 Llama block, forward + backward: hp_dtensor.parallel against torch.distributed.tensor.parallel.
+
+Both run the same block (RMSNorm, RoPE + grouped-query attention, SwiGLU; the model lives in
+packages/hp-dtensor/tests/distributed/llama_block.py) with the same torchtitan plan, in one
+launch, interleaved. Prints the median time per step and the throughput ratio (ours / PyTorch;
+target >= 1.0).
+
+    python benchmarks/tp/block.py                         # CPU: 2 gloo ranks, small shapes
+    python benchmarks/tp/block.py --sp                    # with sequence parallelism
+    torchrun --nproc_per_node=2 benchmarks/tp/block.py --device cuda --dim 4096 --seq 4096 \\
+        --heads 32 --kv-heads 8 --hidden 11008 --batch 1 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "packages", "hp-dtensor", "tests", "distributed"))
+
+
+def _styles(kind):
+    if kind == "ours":
+        import hp_dtensor.parallel as hpp
+        from hp_dtensor import Replicate, Shard
+
+        return types.SimpleNamespace(**{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard,
+                                     Replicate=Replicate), hpp.parallelize_module
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed import tensor as tdt
+
+    return types.SimpleNamespace(
+        ColwiseParallel=tp.ColwiseParallel, RowwiseParallel=tp.RowwiseParallel,
+        SequenceParallel=tp.SequenceParallel, PrepareModuleInput=tp.PrepareModuleInput,
+        Shard=tdt.Shard, Replicate=tdt.Replicate,
+    ), tp.parallelize_module
+
+
+def _run(rank, world, args, path, queue):
+    import llama_block as lb
+
+    warnings.simplefilter("ignore")
+    if path is not None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+        torch.set_num_threads(args.threads)
+    import hp_dtensor as hp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(args.device, rank % max(torch.cuda.device_count(), 1)) \
+        if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    ours_mesh = hp.init_device_mesh(args.device, (world,))
+    torch_mesh = init_device_mesh(args.device, (world,))
+    models = {}
+    for kind, mesh in (("ours", ours_mesh), ("torch", torch_mesh)):
+        torch.manual_seed(0)
+        with torch.device(device):
+            m = lb.Block(args.dim, args.heads, args.kv_heads, args.hidden).to(dtype)
+        styles, parallelize = _styles(kind)
+        parallelize(m, mesh, lb.tp_plan(styles, sequence_parallel=args.sp))
+        models[kind] = m
+    cos, sin = lb.rope_tables(args.seq, args.dim // args.heads)
+    cos, sin = cos.to(device, dtype), sin.to(device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.dim, generator=g).to(device, dtype)
+    if args.sp:
+        x = x.chunk(world, dim=1)[rank].contiguous()
+
+    def step(m):
+        out = m(x, cos, sin)
+        out.float().pow(2).mean().backward()
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    times = {"ours": [], "torch": []}
+    for _ in range(args.warmup):
+        for k in models:
+            step(models[k])
+    for _ in range(args.repeats):
+        for k in models:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                step(models[k])
+            sync()
+            times[k].append((time.perf_counter() - t0) / args.iters)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if queue is not None:
+        queue.put((rank, med))
+    elif rank == 0:
+        _report(args, world, {0: med})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(args, world, results):
+    tokens = args.batch * args.seq
+    print(f"TP={world} Llama block fwd+bwd, {args.device}, dim {args.dim}, heads "
+          f"{args.heads}/{args.kv_heads}, hidden {args.hidden}, batch {args.batch}, seq "
+          f"{args.seq}, {args.dtype}, sp={args.sp}, torch {torch.__version__}; median of "
+          f"{args.repeats} x {args.iters} steps, max over ranks")
+    ours = max(r["ours"] for r in results.values())
+    theirs = max(r["torch"] for r in results.values())
+    print(f"{'impl':8s} {'ms/step':>9s} {'tokens/s':>11s}")
+    for name, t in (("torch", theirs), ("ours", ours)):
+        print(f"{name:8s} {t * 1e3:9.2f} {tokens / t:11.0f}")
+    print(f"throughput ratio ours/torch: {theirs / ours:.3f} (target >= 1.0)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=688)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism too")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if "RANK" in os.environ:  # launched by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        _run(rank, world, args, None, None)
+        return 0
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join(timeout=120)
+    _report(args, world, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

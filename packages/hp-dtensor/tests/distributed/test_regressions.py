@@ -1,0 +1,151 @@
+"""Regressions found in review: each check failed before its fix (2 ranks)."""
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hp_testing.pytest_plugin import rank_pool_fixture
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dt_helpers import make_dtensor  # noqa: E402
+
+import hp_dtensor as hp  # noqa: E402
+from hp_dtensor import Partial, Replicate, Shard  # noqa: E402
+
+pool = rank_pool_fixture(2)
+
+
+def _close(a, b):
+    return bool(torch.allclose(a.float(), b.float(), atol=1e-6))
+
+
+def _partial_pointwise():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    full = torch.arange(6.0).reshape(2, 3) - 2.0
+    r = {}
+    x = make_dtensor(full, mesh, [Partial("sum")])
+    r["psum+1"] = _close((x + 1.0).full_tensor(), full + 1)
+    r["psum+0d"] = _close((x + torch.tensor(1.0)).full_tensor(), full + 1)
+    r["1-psum"] = _close((1.0 - x).full_tensor(), 1 - full)
+    r["psum*2"] = (x * 2.0).placements == (Partial(),) and _close((x * 2.0).full_tensor(), full * 2)
+    r["div(2,psum)"] = _close(
+        torch.div(2.0, make_dtensor(full + 5, mesh, [Partial()])).full_tensor(), 2.0 / (full + 5)
+    )
+    m = make_dtensor(full, mesh, [Partial("max")])
+    r["-pmax"] = _close((-m).full_tensor(), -full)
+    r["1-pmax"] = _close((1.0 - m).full_tensor(), 1 - full)
+    m.mul_(-1.0)
+    r["pmax.mul_"] = _close(m.full_tensor(), -full)
+    f = torch.tensor([[1.0, 2.0, 3.0]])
+    r["psum.to(int)"] = make_dtensor(f, mesh, [Partial()]).to(
+        torch.int64
+    ).full_tensor().tolist() == [[1, 2, 3]]
+    rep = hp.distribute_tensor(torch.randn(8, 6), mesh, [Replicate()])
+    other = hp.distribute_tensor(torch.randn(3, dtype=torch.float64), mesh, [Shard(0)])
+    t = rep.type_as(other)
+    r["type_as"] = (
+        t.placements == (Replicate(),)
+        and t.dtype == torch.float64
+        and _close(t.full_tensor(), rep.full_tensor().double())
+    )
+    nan = make_dtensor(torch.tensor([1.0, float("nan"), 2.0]), mesh, [Partial()])
+    r["nansum_partial"] = nan.nansum().full_tensor().item() == 3.0
+    return r
+
+
+def test_partial_values_pass_only_through_linear_ops(pool):
+    for res in pool.run(_partial_pointwise):
+        assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+def _cache_keys():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    r = {}
+    x = hp.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(1)])
+    a = x[1]
+    b = x[True]
+    r["x[1]"] = tuple(a.shape) == (4,) and _close(a.full_tensor(), torch.arange(4.0, 8.0))
+    r["x[True]"] = tuple(b.shape) == (1, 2, 4) and _close(b.full_tensor(), x.full_tensor()[None])
+    mask = hp.distribute_tensor(torch.tensor([True, False, True, True]), mesh, [Shard(0)])
+    r["mask*1"] = (mask * 1).dtype == torch.int64
+    r["mask*True"] = (mask * True).dtype == torch.bool and (
+        mask * True
+    ).to_local().dtype == torch.bool
+    # sdpa: a dropout call must not reuse the plan of a no-dropout call
+    q = hp.distribute_tensor(torch.randn(4, 2, 3, 4), mesh, [Shard(0)])
+    F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+    hp.manual_seed(11, mesh)
+    out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    torch.manual_seed(11)
+    ref = F.scaled_dot_product_attention(*(q.full_tensor(),) * 3, dropout_p=0.5)
+    r["sdpa_dropout"] = _close(out.full_tensor(), ref)
+    return r
+
+
+def test_cache_keys_separate_bool_int_and_dropout(pool):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for res in pool.run(_cache_keys):
+            assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+def _inplace():
+    warnings.simplefilter("ignore")
+    mesh = hp.init_device_mesh("cpu", (2,))
+    r = {}
+    x = hp.distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+    x[0] = 5.0
+    x[3, 1] += 1
+    expect = torch.zeros(4, 3)
+    expect[0] = 5.0
+    expect[3, 1] += 1
+    r["setitem"] = _close(x.full_tensor(), expect)
+    p = make_dtensor(torch.tensor([-1.0, 2.0]), mesh, [Partial()])
+    F.relu(p, inplace=True)
+    r["relu_inplace"] = _close(p.full_tensor(), torch.tensor([0.0, 2.0]))
+    x[1:3].fill_(7)  # a slice across shards is gathered; the in-place result is written back
+    expect[1:3] = 7
+    r["copy_view_written_back"] = _close(x.full_tensor(), expect)
+    try:
+        x.reshape(3, 4).zero_()  # gathered by reshape: no way to write back
+        r["copy_view"] = False
+    except hp.ShardingError as e:
+        r["copy_view"] = "redistributed" in str(e)
+    x[:, 1].add_(1)  # a true view of the local shard: allowed, writes through
+    expect[:, 1] += 1
+    r["true_view"] = _close(x.full_tensor(), expect)
+    a = hp.distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    try:
+        torch.add(a, a, out=hp.distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()]))
+        r["out"] = False
+    except hp.ShardingError as e:
+        r["out"] = "out=" in str(e)
+    alpha = torch.tensor(2.0, requires_grad=True)
+    xs = hp.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    (xs * alpha).sum().full_tensor().backward()
+    r["scalar_grad"] = alpha.grad.item() == 28.0
+    return r
+
+
+def test_inplace_writes_through_or_fails_loudly(pool):
+    for res in pool.run(_inplace):
+        assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (5, 2)])
+def test_shapes_even_and_uneven(pool, shape):
+    assert pool.run(_setitem_shape, shape) == [True, True]
+
+
+def _setitem_shape(shape):
+    warnings.simplefilter("ignore")
+    mesh = hp.init_device_mesh("cpu", (2,))
+    x = hp.distribute_tensor(torch.zeros(shape), mesh, [Shard(0)])
+    x[-1] = 1.0
+    ref = torch.zeros(shape)
+    ref[-1] = 1.0
+    return _close(x.full_tensor(), ref)
