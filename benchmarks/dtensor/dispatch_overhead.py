@@ -23,19 +23,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _time_per_call(fn, iters: int, repeats: int) -> float:
+def _time_per_call(fn, iters: int, repeats: int, sync=lambda: None) -> float:
     for _ in range(max(50, iters // 10)):
         fn()
     samples = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        sync()
         samples.append((time.perf_counter() - t0) / iters * 1e6)
     return statistics.median(samples)
 
 
-def _worker(rank, world, path, iters, repeats, queue):
+def _worker(rank, world, path, iters, repeats, queue, device="cpu"):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
@@ -45,10 +47,11 @@ def _worker(rank, world, path, iters, repeats, queue):
 
     import hp_dtensor as hp
 
-    ours_mesh = hp.init_device_mesh("cpu", (world,))
-    torch_m = torch_mesh("cpu", (world,))
+    ours_mesh = hp.init_device_mesh(device, (world,))
+    torch_m = torch_mesh(device, (world,))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    x, y, w = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16)
+    x, y, w = (torch.randn(16, 16, device=ours_mesh.device) for _ in range(3))
 
     def both(placements):
         ours = [hp.distribute_tensor(t, ours_mesh, [p]) for t, p in zip((x, y, w), placements)]
@@ -61,7 +64,7 @@ def _worker(rank, world, path, iters, repeats, queue):
     R, S0 = [hp.Replicate()], [hp.Shard(0)]
     TR, TS0 = [tdt.Replicate()], [tdt.Shard(0)]
     n = la.shape[0]
-    gather_out = torch.empty(16, 16)
+    gather_out = torch.empty(16, 16, device=x.device)
     cases = [
         ("add  (S0 + S0)", lambda: a + b, lambda: ta + tb, lambda: la + lb),
         (
@@ -89,13 +92,32 @@ def _worker(rank, world, path, iters, repeats, queue):
         # interleave the three so that drift on a busy machine hits all of them alike
         o, t, p = [], [], []
         for _ in range(repeats):
-            o.append(_time_per_call(ours, iters, 1))
-            t.append(_time_per_call(theirs, iters, 1))
-            p.append(_time_per_call(plain, iters, 1))
+            o.append(_time_per_call(ours, iters, 1, sync))
+            t.append(_time_per_call(theirs, iters, 1, sync))
+            p.append(_time_per_call(plain, iters, 1, sync))
         rows.append((name, statistics.median(p), statistics.median(t), statistics.median(o)))
     queue.put((rank, rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
+    """Results from every rank; fails (instead of waiting forever) when a rank dies."""
+    import queue as queue_mod
+
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, value = queue.get(timeout=1.0)
+            results[rank] = value
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
+                raise SystemExit(msg) from None
+    return results
 
 
 def main(argv=None) -> int:
@@ -103,22 +125,31 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: tensors on the GPU (ranks share GPU 0), gloo between ranks",
+    )
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rdzv")
         procs = [
-            ctx.Process(target=_worker, args=(r, args.world, path, args.iters, args.repeats, queue))
+            ctx.Process(
+                target=_worker,
+                args=(r, args.world, path, args.iters, args.repeats, queue, args.device),
+            )
             for r in range(args.world)
         ]
         for pr in procs:
             pr.start()
-        results = dict(queue.get() for _ in procs)
+        results = _collect(queue, procs)
         for pr in procs:
             pr.join(timeout=60)
     print(
-        f"torch {torch.__version__}, {args.world} gloo ranks, 1 thread each, "
+        f"torch {torch.__version__}, {args.device}, {args.world} gloo ranks, 1 thread each, "
         f"median of {args.repeats} x {args.iters} calls, rank 0 (us per call)"
     )
     head = (

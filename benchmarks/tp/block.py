@@ -1,4 +1,4 @@
-"""TP=2 Llama block, forward + backward: hp_dtensor.parallel against torch.distributed.tensor.parallel.
+"""TP=2 Llama block, forward + backward: hp_dtensor.parallel against PyTorch's TP.
 
 Both run the same block (RMSNorm, RoPE + grouped-query attention, SwiGLU; the model lives in
 packages/hp-dtensor/tests/distributed/llama_block.py) with the same torchtitan plan, in one
@@ -35,15 +35,19 @@ def _styles(kind):
         import hp_dtensor.parallel as hpp
         from hp_dtensor import Replicate, Shard
 
-        return types.SimpleNamespace(**{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard,
-                                     Replicate=Replicate), hpp.parallelize_module
+        return types.SimpleNamespace(
+            **{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard, Replicate=Replicate
+        ), hpp.parallelize_module
     import torch.distributed.tensor.parallel as tp
     from torch.distributed import tensor as tdt
 
     return types.SimpleNamespace(
-        ColwiseParallel=tp.ColwiseParallel, RowwiseParallel=tp.RowwiseParallel,
-        SequenceParallel=tp.SequenceParallel, PrepareModuleInput=tp.PrepareModuleInput,
-        Shard=tdt.Shard, Replicate=tdt.Replicate,
+        ColwiseParallel=tp.ColwiseParallel,
+        RowwiseParallel=tp.RowwiseParallel,
+        SequenceParallel=tp.SequenceParallel,
+        PrepareModuleInput=tp.PrepareModuleInput,
+        Shard=tdt.Shard,
+        Replicate=tdt.Replicate,
     ), tp.parallelize_module
 
 
@@ -55,11 +59,15 @@ def _run(rank, world, args, path, queue):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
         torch.set_num_threads(args.threads)
-    import hp_dtensor as hp
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = torch.device(args.device, rank % max(torch.cuda.device_count(), 1)) \
-        if args.device == "cuda" else torch.device("cpu")
+    import hp_dtensor as hp
+
+    device = (
+        torch.device(args.device, rank % max(torch.cuda.device_count(), 1))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
     if args.device == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
@@ -112,16 +120,37 @@ def _run(rank, world, args, path, queue):
 
 def _report(args, world, results):
     tokens = args.batch * args.seq
-    print(f"TP={world} Llama block fwd+bwd, {args.device}, dim {args.dim}, heads "
-          f"{args.heads}/{args.kv_heads}, hidden {args.hidden}, batch {args.batch}, seq "
-          f"{args.seq}, {args.dtype}, sp={args.sp}, torch {torch.__version__}; median of "
-          f"{args.repeats} x {args.iters} steps, max over ranks")
+    print(
+        f"TP={world} Llama block fwd+bwd, {args.device}, dim {args.dim}, heads "
+        f"{args.heads}/{args.kv_heads}, hidden {args.hidden}, batch {args.batch}, seq "
+        f"{args.seq}, {args.dtype}, sp={args.sp}, torch {torch.__version__}; median of "
+        f"{args.repeats} x {args.iters} steps, max over ranks"
+    )
     ours = max(r["ours"] for r in results.values())
     theirs = max(r["torch"] for r in results.values())
     print(f"{'impl':8s} {'ms/step':>9s} {'tokens/s':>11s}")
     for name, t in (("torch", theirs), ("ours", ours)):
         print(f"{name:8s} {t * 1e3:9.2f} {tokens / t:11.0f}")
     print(f"throughput ratio ours/torch: {theirs / ours:.3f} (target >= 1.0)")
+
+
+def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
+    """Results from every rank; fails (instead of waiting forever) when a rank dies."""
+    import queue as queue_mod
+
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, value = queue.get(timeout=1.0)
+            results[rank] = value
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
+                raise SystemExit(msg) from None
+    return results
 
 
 def main(argv=None) -> int:
@@ -147,13 +176,13 @@ def main(argv=None) -> int:
         return 0
     world = 2
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rdzv")
         procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        results = dict(queue.get() for _ in procs)
+        results = _collect(queue, procs)
         for p in procs:
             p.join(timeout=120)
     _report(args, world, results)

@@ -360,3 +360,55 @@ def _rope_rule():
 
 def test_rotary_op_keeps_batch_heads_and_sequence_sharding(pool):
     assert pool.run(_rope_rule)[0] == ["S(0)", "S(1)", "S(2)", "R"]
+
+
+def _embedding_and_prepare_styles():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 5, 9, 3], [7, 7, 1, 8]])
+    out = {}
+    for name, style in (
+        ("rowwise", hpp.RowwiseParallel()),  # vocab sharded, partial sums all-reduced
+        ("rowwise_sp", hpp.RowwiseParallel(output_layouts=Shard(1), use_local_output=False)),
+        ("colwise", hpp.ColwiseParallel(output_layouts=Replicate())),
+    ):
+        ref = nn.Embedding(11, 6)
+        emb = nn.Embedding(11, 6)
+        emb.load_state_dict(ref.state_dict())
+        hpp.parallelize_module(emb, mesh, style)
+        y = emb(ids)
+        full = y.full_tensor() if isinstance(y, hp.DTensor) else y
+        torch.testing.assert_close(full, ref(ids), **TOL)
+        (full * torch.arange(6.0)).sum().backward()
+        (ref(ids) * torch.arange(6.0)).sum().backward()
+        torch.testing.assert_close(emb.weight.grad.full_tensor(), ref.weight.grad, **TOL)
+        out[name] = str(emb.weight.placements[0])
+    # PrepareModuleOutput / PrepareModuleInputOutput on a plain module
+    lin = nn.Linear(4, 4)
+    hpp.parallelize_module(lin, mesh, hpp.PrepareModuleInputOutput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+        use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),),
+        use_local_output=True,
+    ))
+    ref_lin = nn.Linear(4, 4)
+    ref_lin.load_state_dict({k: v.full_tensor() if isinstance(v, hp.DTensor) else v
+                             for k, v in lin.state_dict().items()})
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    rank = torch.distributed.get_rank()
+    local_out = lin(x.chunk(2)[rank])  # local rows in, gathered, local rows of the result out
+    torch.testing.assert_close(local_out, ref_lin(x).chunk(2)[rank], **TOL)
+    # SequenceParallel dropout: the mask is the slice of the single-process mask
+    drop = nn.Dropout(0.5)
+    hpp.parallelize_module(drop, mesh, hpp.SequenceParallel())
+    hp.manual_seed(9, mesh)
+    z = drop(torch.ones(2, 6, 4).chunk(2, dim=1)[rank])
+    torch.manual_seed(9)
+    ref_z = F.dropout(torch.ones(2, 6, 4), 0.5, True)
+    torch.testing.assert_close(z.full_tensor(), ref_z)
+    out["dropout"] = str(z.placements[0])
+    return out
+
+
+def test_embedding_styles_prepare_styles_and_sp_dropout(pool):
+    res = pool.run(_embedding_and_prepare_styles)[0]
+    assert res == {"rowwise": "S(0)", "rowwise_sp": "S(0)", "colwise": "S(1)", "dropout": "S(1)"}

@@ -211,6 +211,7 @@ def test_plans_are_cached():
 
 def test_plans_do_not_depend_on_the_hash_seed():
     """Every rank must choose the same plan: string hashing differs between processes."""
+    import os
     import subprocess
     import sys
 
@@ -223,7 +224,7 @@ def test_plans_do_not_depend_on_the_hash_seed():
     )
     outs = set()
     for seed in ("1", "2", "3"):
-        env = {"PYTHONHASHSEED": seed, "PATH": ""}
+        env = {**os.environ, "PYTHONHASHSEED": seed}
         outs.add(
             subprocess.run(
                 [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
