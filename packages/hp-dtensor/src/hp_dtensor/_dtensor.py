@@ -33,9 +33,11 @@ from ._placement import Partial, Placement, Replicate, Shard, normalize_placemen
 from ._plan import plan_redistribute
 from ._redistribute import (
     AllReduceGrad,
+    GatherInfo,
     PartialExtremeGrad,
     Redistribute,
     ScaleGrad,
+    gathered_dims,
     redistribute_local,
 )
 from ._rules import SliceKey, TensorMeta, get_sharding_rule
@@ -189,7 +191,7 @@ class DTensor(torch.Tensor):
         ``to_local`` ran on different data per rank); by default it is taken to match them.
         """
         if grad_placements is None:
-            return self._local
+            return _redundant_local(self)
         gp = normalize_placements(
             grad_placements, self._spec.mesh.ndim, self.ndim, arg="grad_placements"
         )
@@ -452,20 +454,77 @@ class DTensor(torch.Tensor):
 # redistribution
 def _redistribute(x: DTensor, target: DTensorSpec) -> DTensor:
     spec = x._spec
-    local = x._local
+    local = _redundant_local(x)
     if torch.is_grad_enabled() and local.requires_grad:
-        out = Redistribute.apply(local, spec.mesh, spec.placements, target.placements, spec.shape)
+        g = gathered_dims(spec.mesh, spec.placements, target.placements, spec.shape)
+        info = GatherInfo(g) if g else None
+        out = Redistribute.apply(
+            local, spec.mesh, spec.placements, target.placements, spec.shape, frozenset(), info
+        )
+        if info is not None:  # NOTE [Gathered activations]
+            t = target
+            res = _make(out, DTensorSpec(t.mesh, t.placements, t.shape, t.stride, t.dtype, g))
+            res._gr = {"gather": info}
+            return res
     else:
         out = redistribute_local(local, spec.mesh, spec.placements, target.placements, spec.shape)
     return _make(out, target)
 
 
-def _redistribute_local(x: DTensor, target: DTensorSpec) -> torch.Tensor:
+def _redistribute_local(x: DTensor, target: DTensorSpec, rs_dims=frozenset()) -> torch.Tensor:
     spec = x._spec
-    local = x._local
+    local = _redundant_local(x)
     if torch.is_grad_enabled() and local.requires_grad:
-        return Redistribute.apply(local, spec.mesh, spec.placements, target.placements, spec.shape)
+        return Redistribute.apply(
+            local, spec.mesh, spec.placements, target.placements, spec.shape, rs_dims
+        )
     return redistribute_local(local, spec.mesh, spec.placements, target.placements, spec.shape)
+
+
+def _redundant_local(d: DTensor) -> torch.Tensor:
+    """``d``'s local tensor for a consumer whose gradient is exact (replicated work, to_local,
+    redistribution): fixes a gathered activation's representation (NOTE [Gathered
+    activations]) or scales the exact gradient into its partial one."""
+    local = d._local
+    if not d._spec.gathered or d._gr is None:
+        return local
+    info = d._gr.get("gather")
+    if info is None or not (_grad_enabled() and local.requires_grad):
+        return local
+    scale = 1.0
+    for m in info.dims:
+        if info.state[m] == "undecided":
+            info.state[m] = "exact"
+        elif info.state[m] == "partial":
+            scale /= d._spec.mesh.shape[m]
+    return ScaleGrad.apply(local, scale) if scale != 1.0 else local
+
+
+def _split_use_local(d: DTensor, dims):
+    """For a consumer whose output is split on ``dims`` (mesh dim, op) while ``d`` is
+    replicated there: returns (local, dims still needing a gradient all-reduce)."""
+    local = d._local
+    info = d._gr.get("gather") if (d._spec.gathered and d._gr is not None) else None
+    if info is None:
+        return local, dims
+    split = {m for m, _ in dims}
+    keep = []
+    scale = 1.0
+    for m in info.dims:
+        st = info.state[m]
+        if m in split:
+            if st == "undecided":
+                info.state[m] = st = "partial"
+        elif st == "undecided":
+            info.state[m] = st = "exact"
+        elif st == "partial":
+            scale /= d._spec.mesh.shape[m]
+    for m, op in dims:
+        if not (m in info.state and info.state[m] == "partial" and op == "sum"):
+            keep.append((m, op))
+    if scale != 1.0:
+        local = ScaleGrad.apply(local, scale)
+    return local, tuple(keep)
 
 
 def _partial_adapters(local: torch.Tensor, spec: DTensorSpec, *, from_local: bool) -> torch.Tensor:
@@ -977,7 +1036,19 @@ def _plan_from_strategy(op: _Op, func, args, kwargs, paths, dts, strategy, mesh)
                 )
                 adapt = adapt or made_here
     kernel = _kernels.get(strategy.kernel) if strategy.kernel else None
-    return _Planned(op, paths, targets, grad_fix, out_specs, multi, adapt, kernel, mesh)
+    gathered_in = any(d._spec.gathered for d in dts)
+    gfd = dict(grad_fix)
+    fuse_rs = []
+    for i, (d, t) in enumerate(zip(dts, targets)):
+        if t is None or i not in gfd:
+            fuse_rs.append(frozenset())
+            continue
+        s = d._spec
+        g = set(gathered_dims(mesh, s.placements, t.placements, s.shape))
+        fuse_rs.append(frozenset(m for m, red in gfd[i] if red == "sum" and m in g))
+    return _Planned(
+        op, paths, targets, grad_fix, out_specs, multi, adapt, kernel, mesh, gathered_in, fuse_rs
+    )
 
 
 _VALUE_FREE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})
@@ -998,11 +1069,28 @@ class _Planned:
         "inplace",
         "reshape",
         "gf_pos",
+        "gathered_in",
+        "fuse_rs",
     )
 
-    def __init__(self, op, paths, targets, grad_fix, out, multi, adapt, kernel, mesh):
+    def __init__(
+        self,
+        op,
+        paths,
+        targets,
+        grad_fix,
+        out,
+        multi,
+        adapt,
+        kernel,
+        mesh,
+        gathered_in=False,
+        fuse_rs=(),
+    ):
         self.op, self.paths, self.targets, self.grad_fix = op, paths, targets, grad_fix
         self.out, self.multi, self.adapt, self.kernel, self.mesh = out, multi, adapt, kernel, mesh
+        self.gathered_in = gathered_in
+        self.fuse_rs = tuple(fuse_rs) or (frozenset(),) * len(targets)
         self.inplace = op.inplace
         # Replicated inputs feeding a split output need a gradient all-reduce only when they
         # require grad: the hot path checks those positions and otherwise stays fast.
@@ -1016,11 +1104,13 @@ class _Planned:
             and all(len(p) == 1 and p[0] != "kw" for p in paths)
             and not multi
             and not op.inplace
+            and not gathered_in
         )
         # views with global sizes in their arguments: call the local view with local sizes
         self.reshape = None
         if (
-            kernel is _kernels.get("reshape")
+            not gathered_in
+            and kernel is _kernels.get("reshape")
             and not any(t is not None for t in targets)
             and not grad_fix
             and not multi
@@ -1052,13 +1142,23 @@ class _Planned:
         dts = [_get(args, p) if p[0] != "kw" else _get(kwargs, p[1:]) for p in self.paths]
         back = _check_writable(dts[0], self.op.name) if self.inplace else None
         grad = torch.is_grad_enabled()
+        gf = dict(self.grad_fix) if (grad and self.grad_fix) else {}
         locals_ = []
-        for d, tgt in zip(dts, self.targets):
-            locals_.append(d._local if tgt is None else _redistribute_local(d, tgt))
-        if grad and self.grad_fix:
-            for i, dims in self.grad_fix:
-                if locals_[i].requires_grad:
-                    locals_[i] = _grad_reduced(dts[i], locals_[i], self.targets[i], self.mesh, dims)
+        for i, (d, tgt) in enumerate(zip(dts, self.targets)):
+            dims = gf.get(i)
+            if tgt is not None:
+                # a gather feeding a split consumer: reduce-scatter in backward, no all-reduce
+                rs = self.fuse_rs[i] if grad else frozenset()
+                loc = _redistribute_local(d, tgt, rs)
+                if dims and rs:
+                    dims = tuple(x for x in dims if x[0] not in rs)
+            elif grad and self.gathered_in:
+                loc, dims = _split_use_local(d, dims) if dims else (_redundant_local(d), None)
+            else:
+                loc = d._local
+            if dims and loc.requires_grad:
+                loc = _grad_reduced(d, loc, tgt, self.mesh, dims)
+            locals_.append(loc)
         largs, lkwargs = _replace(args, kwargs, self.paths, locals_)
         if self.kernel is not None:
             specs = [t if t is not None else d._spec for t, d in zip(self.targets, dts)]
@@ -1178,7 +1278,7 @@ _QUIET = frozenset(
 def _full(d: DTensor) -> torch.Tensor:
     spec = d._spec
     if all(type(p) is Replicate for p in spec.placements):
-        return d._local
+        return _redundant_local(d)
     target = spec.with_placements((_REPLICATE,) * spec.mesh.ndim)
     return _redistribute_local(d, target)
 

@@ -63,8 +63,12 @@ def _dual(p):
 
 
 @lru_cache(maxsize=4096)
-def compile_plan(mesh, src, dst, global_shape):
-    """Forward and backward op lists for ``src -> dst`` on ``mesh`` (cached)."""
+def compile_plan(mesh, src, dst, global_shape, rs_dims=frozenset()):
+    """Forward and backward op lists for ``src -> dst`` on ``mesh`` (cached).
+
+    ``rs_dims``: mesh dims whose all-gather receives *partial* gradients (NOTE [Gathered
+    activations]); their adjoint is a reduce-scatter instead of keeping the local chunk.
+    """
     coord = mesh.get_coordinate()
     plan = plan_redistribute(mesh.shape, src, dst, global_shape)
     fwd, bwd = [], []
@@ -85,6 +89,10 @@ def compile_plan(mesh, src, dst, global_shape):
         adj = _ADJOINT[step.kind]
         if adj == "all_to_all":
             bwd.append(_Op(adj, step.mesh_dim, step.dst, step.src, parent, n, c, None))
+        elif step.kind == "all_gather" and step.mesh_dim in rs_dims:
+            bwd.append(
+                _Op("reduce_scatter", step.mesh_dim, Partial(), step.src, parent, n, c, "sum")
+            )
         elif adj == "chunk":  # adjoint of all_gather and pad: keep this rank's chunk
             bwd.append(_Op(adj, step.mesh_dim, Replicate(), step.src, parent, n, c, None))
         elif adj == "all_gather":  # adjoint of chunk and reduce_scatter
@@ -108,19 +116,58 @@ def redistribute_local(x: torch.Tensor, mesh, src, dst, global_shape) -> torch.T
     return _run(fwd, x, mesh)
 
 
+class GatherInfo:
+    """NOTE [Gathered activations]: a replicated activation made by all-gathering a shard is
+    usually read by split consumers (the column-parallel projections after a sequence-parallel
+    norm). Their gradients are partial; instead of all-reducing them and keeping the local chunk,
+    the all-gather's adjoint can reduce-scatter them: half the bytes, and no extra node.
+
+    The choice is made by the first consumer: a split one switches the dims to *partial*
+    gradients (later replicated consumers scale their exact gradients by 1/n so that the
+    reduce-scatter adds them up right); a replicated one first keeps the usual representation
+    (later split consumers all-reduce as usual). ``Redistribute`` reads the final state in
+    backward.
+    """
+
+    __slots__ = ("dims", "state")
+
+    def __init__(self, dims: tuple[int, ...]) -> None:
+        self.dims = dims
+        self.state = dict.fromkeys(dims, "undecided")
+
+    def partial_dims(self) -> frozenset:
+        return frozenset(d for d, s in self.state.items() if s == "partial")
+
+
 class Redistribute(torch.autograd.Function):
-    """Differentiable redistribution (see NOTE [Gradient representation])."""
+    """Differentiable redistribution (see NOTE [Gradient representation]).
+
+    ``rs_dims`` (fixed) or ``info`` (a ``GatherInfo`` decided later in forward) name all-gathered
+    mesh dims whose incoming gradients are partial: backward reduce-scatters them.
+    """
 
     @staticmethod
-    def forward(ctx, x, mesh, src, dst, global_shape):
-        fwd, bwd = compile_plan(mesh, src, dst, global_shape)
-        ctx.bwd = bwd
+    def forward(ctx, x, mesh, src, dst, global_shape, rs_dims=frozenset(), info=None):
+        fwd, _ = compile_plan(mesh, src, dst, global_shape)
+        ctx.key = (mesh, src, dst, global_shape)
+        ctx.rs_dims, ctx.info = rs_dims, info
         ctx.mesh = mesh
         return _run(fwd, x, mesh)
 
     @staticmethod
     def backward(ctx, g):
-        return _run(ctx.bwd, g.contiguous(), ctx.mesh), None, None, None, None
+        rs = ctx.rs_dims | (ctx.info.partial_dims() if ctx.info is not None else frozenset())
+        _, bwd = compile_plan(*ctx.key, rs)
+        return _run(bwd, g.contiguous(), ctx.mesh), None, None, None, None, None, None
+
+
+def gathered_dims(mesh, src, dst, global_shape) -> tuple[int, ...]:
+    """Mesh dims that ``src -> dst`` all-gathers into Replicate as their last step."""
+    plan = plan_redistribute(mesh.shape, src, dst, global_shape)
+    last = {}
+    for st in plan.steps:
+        last[st.mesh_dim] = st.kind
+    return tuple(d for d, k in last.items() if k == "all_gather" and mesh.shape[d] > 1)
 
 
 class AllReduceGrad(torch.autograd.Function):

@@ -29,15 +29,30 @@ class DTensorSpec:
         dtype: element type (a framework dtype object).
     """
 
-    __slots__ = ("mesh", "placements", "shape", "stride", "dtype", "_hash", "_local", "_dual")
+    __slots__ = (
+        "mesh",
+        "placements",
+        "shape",
+        "stride",
+        "dtype",
+        "gathered",
+        "_hash",
+        "_local",
+        "_dual",
+    )
 
-    def __init__(self, mesh, placements: tuple[Placement, ...], shape, stride, dtype) -> None:
+    def __init__(
+        self, mesh, placements: tuple[Placement, ...], shape, stride, dtype, gathered=()
+    ) -> None:
         self.mesh = mesh
         self.placements = placements
         self.shape = tuple(shape)
         self.stride = tuple(stride)
         self.dtype = dtype
-        self._hash = hash((mesh, placements, self.shape, self.stride, dtype))
+        #: mesh dims all-gathered into this (replicated) tensor whose gradient representation
+        #: is decided by its consumers (NOTE [Gathered activations] in ``_redistribute``)
+        self.gathered = tuple(gathered)
+        self._hash = hash((mesh, placements, self.shape, self.stride, dtype, self.gathered))
         self._local = None
         self._dual = None
 
@@ -49,6 +64,7 @@ class DTensorSpec:
             and self.shape == other.shape
             and self.stride == other.stride
             and self.dtype == other.dtype
+            and self.gathered == other.gathered
             and self.mesh == other.mesh
         )
 

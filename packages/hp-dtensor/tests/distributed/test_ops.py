@@ -116,6 +116,8 @@ def _cases():
     c["mm_partial"] = (torch.mm, [a, w], [[S1], [S0]], False)
     c["mm_partial_in"] = (torch.mm, [a, w], [[P], [R]], False)
     c["mm_mismatch"] = (torch.mm, [a, w], [[S0], [S0]], False)
+    c["mm_gather_fused"] = (torch.mm, [a, w], [[S1], [S1]], False)
+    c["linear_gather_2d"] = (F.linear, [_rand(4, 6), _rand(8, 6)], [[S1, S0], [S0, R]], True)
     c["matmul_3d"] = (lambda x, y: x @ y, [_rand(3, 8, 6), w], [[S0], [R]], False)
     c["bmm"] = (torch.bmm, [_rand(4, 5, 6), _rand(4, 6, 3)], [[S0], [S0]], False)
     c["addmm"] = (

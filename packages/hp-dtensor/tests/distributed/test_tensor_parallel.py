@@ -385,14 +385,25 @@ def _embedding_and_prepare_styles():
         out[name] = str(emb.weight.placements[0])
     # PrepareModuleOutput / PrepareModuleInputOutput on a plain module
     lin = nn.Linear(4, 4)
-    hpp.parallelize_module(lin, mesh, hpp.PrepareModuleInputOutput(
-        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
-        use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),),
-        use_local_output=True,
-    ))
+    hpp.parallelize_module(
+        lin,
+        mesh,
+        hpp.PrepareModuleInputOutput(
+            input_layouts=(Shard(0),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(0),),
+            use_local_output=True,
+        ),
+    )
     ref_lin = nn.Linear(4, 4)
-    ref_lin.load_state_dict({k: v.full_tensor() if isinstance(v, hp.DTensor) else v
-                             for k, v in lin.state_dict().items()})
+    ref_lin.load_state_dict(
+        {
+            k: v.full_tensor() if isinstance(v, hp.DTensor) else v
+            for k, v in lin.state_dict().items()
+        }
+    )
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
     rank = torch.distributed.get_rank()
     local_out = lin(x.chunk(2)[rank])  # local rows in, gathered, local rows of the result out
@@ -412,3 +423,56 @@ def _embedding_and_prepare_styles():
 def test_embedding_styles_prepare_styles_and_sp_dropout(pool):
     res = pool.run(_embedding_and_prepare_styles)[0]
     assert res == {"rowwise": "S(0)", "rowwise_sp": "S(0)", "colwise": "S(1)", "dropout": "S(1)"}
+
+
+def _gathered(order):
+    """NOTE [Gathered activations]: an all-gathered activation read by split and replicated
+    consumers in either order gives single-process gradients."""
+    mesh = hp.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(4)
+    x, w, a = (
+        torch.randn(4, 6, generator=g),
+        torch.randn(6, 4, generator=g),
+        torch.randn(4, 4, generator=g),
+    )
+    rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xs = hp.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    ws = hp.distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()
+    gx = xs.redistribute(mesh, [Replicate()])
+    assert gx.placements == (Replicate(),)
+    terms, ref_terms = [], []
+    for kind in order:
+        if kind == "split":
+            terms.append((torch.mm(gx, ws).full_tensor() * a).sum())
+            ref_terms.append(((rx @ rw) * a).sum())
+        elif kind == "replicated":
+            terms.append((gx * 3).sum().full_tensor())
+            ref_terms.append((rx * 3).sum())
+        elif kind == "to_local":
+            terms.append(gx.to_local().pow(2).sum())
+            ref_terms.append(rx.pow(2).sum())
+        elif kind == "view":
+            terms.append(gx.view(24).sum().full_tensor())
+            ref_terms.append(rx.view(24).sum())
+    sum(terms).backward()
+    sum(ref_terms).backward()
+    torch.testing.assert_close(xs.grad.full_tensor(), rx.grad, **TOL)
+    if rw.grad is not None:
+        torch.testing.assert_close(ws.grad.full_tensor(), rw.grad, **TOL)
+    return sorted(gx._gr["gather"].state.values()) if gx._gr else None
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        ("split", "split"),
+        ("split", "replicated"),
+        ("replicated", "split"),
+        ("split", "to_local"),
+        ("to_local",),
+        ("split", "view", "split"),
+    ],
+)
+def test_gathered_activation_gradients_in_any_order(pool, order):
+    states = pool.run(_gathered, order)[0]
+    assert states == (["partial"] if order[0] == "split" else ["exact"])
