@@ -1,0 +1,190 @@
+"""fully_shard on a Llama-style model, forward + backward + AdamW: hp_fsdp against FSDP2.
+
+Both shard the same model (per block, then the root) and train on the same data in one launch,
+interleaved; prints the median step time, tokens/s per rank, the ratio (ours / FSDP2; target
+>= 1.0) and peak memory on GPUs.
+
+    python benchmarks/fsdp/llama.py                       # CPU: 2 gloo ranks, tiny model
+    torchrun --nproc_per_node=2 benchmarks/fsdp/llama.py --device cuda --dim 2048 --layers 24 \\
+        --heads 16 --kv-heads 16 --hidden 5632 --vocab 32000 --seq 2048 --batch 4 --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
+
+
+def _run(rank, world, args, path, queue):
+    from tiny_llama import TinyLlama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import hp_dtensor as hp
+    from hp_fsdp import MixedPrecisionPolicy, fully_shard
+
+    warnings.simplefilter("ignore")
+    if path is not None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+        torch.set_num_threads(args.threads)
+    dev = (
+        torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
+    if args.device == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = dict(
+        vocab=args.vocab,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=args.hidden,
+        seq=args.seq,
+    )
+    runs = {}
+    for kind in ("ours", "torch"):
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = TinyLlama(**cfg)
+        if kind == "ours":
+            mesh = hp.init_device_mesh(args.device, (world,))
+            mpp = (
+                MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+                if args.bf16
+                else MixedPrecisionPolicy()
+            )
+            shard = fully_shard
+        else:
+            mesh = init_device_mesh(args.device, (world,))
+            mpp = TorchMP(torch.bfloat16, torch.float32) if args.bf16 else TorchMP()
+            shard = torch_fully_shard
+        for layer in model.layers:
+            shard(layer, mesh=mesh, mp_policy=mpp)
+        shard(model, mesh=mesh, mp_policy=mpp)
+        runs[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True))
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(dev)
+
+    def step(model, opt):
+        loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    times = {k: [] for k in runs}
+    peak = {}
+    for _ in range(args.warmup):
+        for k in runs:
+            step(*runs[k])
+    for k in runs:
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                step(*runs[k])
+            sync()
+            times[k].append((time.perf_counter() - t0) / args.iters)
+        peak[k] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+    res = {k: (statistics.median(v), peak[k]) for k, v in times.items()}
+    if queue is not None:
+        queue.put((rank, res))
+    elif rank == 0:
+        _report(args, world, {0: res})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(args, world, results):
+    tokens = args.batch * args.seq
+    print(
+        f"fully_shard Llama-style fwd+bwd+AdamW, {args.device}, {world} ranks, dim {args.dim}, "
+        f"{args.layers} layers, vocab {args.vocab}, batch {args.batch}x{args.seq}, "
+        f"bf16={args.bf16}, torch {torch.__version__}; median of {args.repeats} x {args.iters}"
+    )
+    med = {k: max(r[k][0] for r in results.values()) for k in ("ours", "torch")}
+    peak = {k: max(r[k][1] for r in results.values()) for k in ("ours", "torch")}
+    print(f"{'impl':8s} {'ms/step':>9s} {'tokens/s/rank':>14s} {'peak GiB':>9s}")
+    for k in ("torch", "ours"):
+        print(f"{k:8s} {med[k] * 1e3:9.2f} {tokens / med[k]:14.0f} {peak[k]:9.2f}")
+    print(f"throughput ratio ours/FSDP2: {med['torch'] / med['ours']:.3f} (target >= 1.0)")
+
+
+def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
+    import queue as queue_mod
+
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, value = queue.get(timeout=1.0)
+            results[rank] = value
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
+                raise SystemExit(msg) from None
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=344)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, None)
+        return 0
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = _collect(queue, procs)
+        for p in procs:
+            p.join(timeout=120)
+    _report(args, world, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

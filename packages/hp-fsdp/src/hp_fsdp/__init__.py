@@ -1,0 +1,25 @@
+"""hp_fsdp: ``fully_shard`` (FSDP and HSDP) on hp-dtensor."""
+
+from ._api import (
+    CPUOffloadPolicy,
+    FSDPError,
+    HSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    get_full_state_dict,
+    hsdp_sync_stream,
+    load_full_state_dict,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPError",
+    "HSDPModule",
+    "MixedPrecisionPolicy",
+    "fully_shard",
+    "get_full_state_dict",
+    "hsdp_sync_stream",
+    "load_full_state_dict",
+]

@@ -1,0 +1,271 @@
+"""One ``fully_shard`` parameter group: flat all-gather, swap-in, reshard, reduce-scatter."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+import hp_dtensor as hp
+from hp_dtensor import DTensor
+
+__all__ = ["ParamGroup"]
+
+_COUNTER = itertools.count()
+_PENDING: list = []  # groups whose backward started; reduced at the end of backward
+
+
+def _preserve_version(t: torch.Tensor):
+    """Refilling an unsharded parameter must not look like an in-place change to autograd."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+class _Entry:
+    __slots__ = (
+        "module",
+        "name",
+        "fqn",
+        "sharded",
+        "unsharded",
+        "shape",
+        "rest",
+        "chunk",
+        "padded",
+        "rows",
+    )
+
+    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n):
+        self.module, self.name, self.fqn, self.sharded = module, name, fqn, sharded
+        self.unsharded: nn.Parameter | None = None
+        self.shape = tuple(shape)
+        self.rest = 1
+        for s in self.shape[1:]:
+            self.rest *= s
+        self.chunk = -(-self.shape[0] // n) if self.shape[0] else 0
+        self.padded = self.chunk * self.rest
+        self.rows = sharded.to_local().shape[0]
+
+
+class ParamGroup:
+    """State of one ``fully_shard`` call (see ``hp_fsdp._api``)."""
+
+    def __init__(self, module, mesh, entries, placements, reshard_after_forward, mp):
+        self.index = next(_COUNTER)
+        self.module = module
+        self.mesh = mesh
+        self.shard_dim = mesh.ndim - 1
+        self.rep_dim = 0 if mesh.ndim == 2 else None
+        self.n = mesh.shape[self.shard_dim]
+        self.mp = mp
+        self.platform = hp.get_platform(mesh.device_type)
+        self.entries: list[_Entry] = []
+        for sub, pname, fqn, p in entries:
+            if p.ndim == 0:
+                raise ValueError(
+                    f"parameter {fqn!r} is 0-d and cannot be sharded on dim 0: keep it out "
+                    "with ignored_params or make it 1-d"
+                )
+            dt = hp.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+            sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+            sub._parameters[pname] = sp
+            self.entries.append(_Entry(sub, pname, fqn, sp, p.shape, self.n))
+        self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
+        self.param_dtype = mp.param_dtype or self.orig_dtype
+        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.sync = True
+        self.grad_scale = 1.0
+        self.forward_prefetch: list[ParamGroup] = []
+        self.backward_prefetch: list[ParamGroup] = []
+        self.is_last_backward = True
+        self.unsharded = False
+        self.swapped_in = False
+
+    # -- queries -----------------------------------------------------------------------------
+    def sharded_params(self) -> list[nn.Parameter]:
+        return [e.sharded for e in self.entries]
+
+    def refresh_params(self) -> None:
+        """Pick up parameters replaced in the module (``load_state_dict(assign=True)``)."""
+        for e in self.entries:
+            e.sharded = e.module._parameters[e.name]
+            e.unsharded = None
+        self.unsharded = False
+
+    # -- all-gather ------------------------------------------------------------------------------
+    def unshard(self) -> None:
+        """All-gather every parameter of the group as one flat buffer and copy it out."""
+        if self.unsharded or not self.entries:
+            return
+        dev = self.entries[0].sharded.to_local().device
+        pieces = []
+        for e in self.entries:
+            loc = e.sharded.to_local().detach().reshape(-1).to(self.param_dtype)
+            if loc.numel() < e.padded:
+                loc = torch.cat([loc, loc.new_zeros(e.padded - loc.numel())])
+            pieces.append(loc)
+        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        total = send.numel()
+        recv = torch.empty(self.n * total, dtype=self.param_dtype, device=dev)
+        self.platform.all_gather_into(recv, send, self.mesh._groups[self.shard_dim])
+        recv = recv.view(self.n, total)
+        off = 0
+        for e in self.entries:
+            full = recv[:, off : off + e.padded].reshape((self.n * e.chunk,) + e.shape[1:])
+            full = full[: e.shape[0]]
+            off += e.padded
+            if e.unsharded is None:
+                e.unsharded = nn.Parameter(
+                    torch.empty(e.shape, dtype=self.param_dtype, device=dev),
+                    requires_grad=e.sharded.requires_grad,
+                )
+            else:
+                t = e.unsharded
+                nbytes = t.numel() * t.element_size()
+                if t.untyped_storage().size() != nbytes:
+                    t.untyped_storage().resize_(nbytes)
+            with torch.no_grad(), _preserve_version(e.unsharded):
+                e.unsharded.copy_(full)
+        self.unsharded = True
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded storage (the tensors stay, for autograd to refill later)."""
+        for e in self.entries:
+            if e.unsharded is not None:
+                e.unsharded.untyped_storage().resize_(0)
+        self.unsharded = False
+
+    def swap_in(self) -> None:
+        for e in self.entries:
+            e.module._parameters[e.name] = e.unsharded
+        self.swapped_in = True
+
+    def swap_out(self) -> None:
+        for e in self.entries:
+            e.module._parameters[e.name] = e.sharded
+        self.swapped_in = False
+
+    def reshard(self) -> None:
+        if self.swapped_in:
+            self.swap_out()
+        self.free_unsharded()
+
+    # -- hooks -------------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        self.module.register_forward_hook(self._post_forward)
+
+    def _cast_inputs(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+            return x.to(self.param_dtype)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._cast_inputs(y) for y in x)
+        if isinstance(x, dict):
+            return {k: self._cast_inputs(v) for k, v in x.items()}
+        return x
+
+    def _pre_forward(self, module, args, kwargs):
+        self.unshard()
+        self.swap_in()
+        for g in self.forward_prefetch:
+            g.unshard()
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module, args, out):
+        self.swap_out()
+        if self.reshard_after_forward:
+            self.free_unsharded()
+        if torch.is_grad_enabled():
+            tensors = [t for t in _flatten(out) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._pre_backward, mode="any"
+                )
+        if self.mp.output_dtype is not None:
+            out = _cast_floating(out, self.mp.output_dtype)
+        return out
+
+    def _pre_backward(self, grad):
+        self.unshard()
+        for g in self.backward_prefetch:
+            g.unshard()
+        if not _PENDING:
+            Variable._execution_engine.queue_callback(_end_of_backward)
+        if self not in _PENDING:
+            _PENDING.append(self)
+
+    # -- reduce-scatter --------------------------------------------------------------------
+    def post_backward(self) -> None:
+        if self.sync and self.entries:
+            self._reduce_grads()
+        if self.reshard_after_backward:
+            self.free_unsharded()
+
+    def _reduce_grads(self) -> None:
+        dev = self.entries[0].sharded.to_local().device
+        cols = []
+        for e in self.entries:
+            g = e.unsharded.grad if e.unsharded is not None else None
+            if g is None:
+                g = torch.zeros(e.shape, dtype=self.reduce_dtype, device=dev)
+            g = g.to(self.reduce_dtype).reshape(e.shape[0], -1) if e.rest else g
+            if self.grad_scale != 1.0:
+                g = g * self.grad_scale
+            pad = self.n * e.chunk - e.shape[0]
+            if pad:
+                g = torch.cat([g, g.new_zeros((pad,) + tuple(g.shape[1:]))])
+            cols.append(g.reshape(self.n, e.padded))
+        send = torch.cat(cols, dim=1).reshape(-1).contiguous()
+        total = send.numel() // self.n
+        out = torch.empty(total, dtype=self.reduce_dtype, device=dev)
+        self.platform.reduce_scatter_into(out, send, "sum", self.mesh._groups[self.shard_dim])
+        divide = self.n
+        if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
+            self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim])
+            divide *= self.mesh.shape[self.rep_dim]
+        out.div_(divide)
+        off = 0
+        for e in self.entries:
+            local = out[off : off + e.padded].view((e.chunk,) + e.shape[1:])[: e.rows]
+            off += e.padded
+            local = local.to(e.sharded.dtype)
+            target = e.sharded.to_local()
+            if target.grad is None:
+                target.grad = local.clone()
+            else:
+                target.grad.add_(local)
+            if e.unsharded is not None:
+                e.unsharded.grad = None
+
+
+def _end_of_backward() -> None:
+    groups = sorted(_PENDING, key=lambda g: -g.index)  # the same order on every rank
+    _PENDING.clear()
+    for g in groups:
+        g.post_backward()
+
+
+def _flatten(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flatten(o)]
+    return []
+
+
+def _cast_floating(out, dtype):
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_cast_floating(o, dtype) for o in out)
+    return out
+
+
+_ = DTensor

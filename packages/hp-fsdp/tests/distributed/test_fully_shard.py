@@ -1,0 +1,221 @@
+"""fully_shard against a single-device reference and against PyTorch's FSDP2 (2 and 4 ranks)."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hp_testing.pytest_plugin import rank_pool_fixture
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_llama import TinyLlama  # noqa: E402
+
+import hp_dtensor as hp  # noqa: E402
+from hp_fsdp import FSDPError, HSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+pool4 = rank_pool_fixture(4)
+
+VOCAB, SEQ, B_LOCAL = 37, 8, 2
+
+
+def _batch(step, world):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (B_LOCAL * world, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _shard(model, mesh, impl, **kw):
+    if impl == "ours":
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
+    else:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        for layer in model.layers:
+            torch_fully_shard(layer, mesh=mesh, **kw)
+        torch_fully_shard(model, mesh=mesh, **kw)
+
+
+def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True):
+    """Train ``steps`` AdamW steps; compare with the single-device reference every step."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = TinyLlama()
+    model = TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    if impl == "ours":
+        names = ("dp",) if len(world_shape) == 1 else ("rep", "shard")
+        mesh = hp.init_device_mesh("cpu", world_shape, mesh_dim_names=names)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", world_shape)
+    _shard(model, mesh, impl, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(accumulate):
+            ids, tgt = _batch(step * accumulate + micro, world)
+            mine = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+            last = micro == accumulate - 1
+            if impl == "ours" and accumulate > 1:
+                model.set_requires_gradient_sync(last)
+            loss = F.cross_entropy(model(ids[mine]).flatten(0, 1), tgt[mine].flatten())
+            (loss / accumulate).backward()
+            ref_loss = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten())
+            (ref_loss / accumulate).backward()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        avg /= world
+        torch.testing.assert_close(avg, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=f"grad {name} step {step}"
+            )
+        opt.step()
+        ref_opt.step()
+        losses.append(avg.item())
+    return losses
+
+
+def test_fsdp_4_ranks_matches_single_device(pool4):
+    losses = pool4.run(_run, (4,))
+    assert len(set(map(tuple, losses))) == 1 and len(losses[0]) == 10
+
+
+def test_hsdp_2x2_matches_single_device(pool4):
+    pool4.run(_run, (2, 2))
+
+
+def test_no_reshard_and_gradient_accumulation(pool4):
+    pool4.run(_run, (4,), steps=4, accumulate=2, reshard_after_forward=False)
+
+
+def test_same_losses_as_torch_fsdp2(pool4):
+    ours = pool4.run(_run, (4,), "ours", 5)[0]
+    theirs = pool4.run(_run, (4,), "torch", 5)[0]
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+
+
+def _memory():
+    mesh = hp.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = TinyLlama(dim=32, hidden=64, vocab=64)
+    total = sum(p.numel() for p in model.parameters())
+    _shard(model, mesh, "ours")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, SEQ))
+    F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    opt.step()
+    local = 0
+    for p in model.parameters():
+        local += p.to_local().numel() * 2  # parameter and gradient
+        st = opt.state[p]
+        local += sum(v.to_local().numel() for v in st.values() if isinstance(v, hp.DTensor))
+    return local, total * 4
+
+
+def test_memory_is_about_one_over_n(pool4):
+    for local, unsharded in pool4.run(_memory):
+        assert local <= unsharded / 4 * 1.1, (local, unsharded)
+
+
+def _mixed_precision():
+    mesh = hp.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    ref = TinyLlama()
+    model = TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _shard(model, mesh, "ours", mp_policy=mp)
+    ids, tgt = _batch(0, 4)
+    rank = dist.get_rank()
+    mine = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    logits = model(ids[mine])
+    F.cross_entropy(logits.float().flatten(0, 1), tgt[mine].flatten()).backward()
+    F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten()).backward()
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        err = (p.grad.full_tensor() - q.grad).norm() / q.grad.norm().clamp_min(1e-12)
+        worst = max(worst, err.item())
+    return logits.dtype, worst
+
+
+def test_mixed_precision_bf16_params_fp32_reduce(pool4):
+    for dtype, worst in pool4.run(_mixed_precision):
+        assert dtype == torch.bfloat16 and worst < 0.05
+
+
+def _errors():
+    mesh = hp.init_device_mesh("cpu", (4,))
+    msgs = {}
+    m = TinyLlama()
+    fully_shard(m.layers[0], mesh=mesh)
+    assert isinstance(m.layers[0], HSDPModule)
+    try:
+        fully_shard(m.layers[0], mesh=mesh)
+    except FSDPError as e:
+        msgs["twice"] = str(e)
+    try:
+        fully_shard(TinyLlama(), mesh=hp.init_device_mesh("cpu", (1, 2, 2)))
+    except FSDPError as e:
+        msgs["mesh"] = str(e)
+    mixed = TinyLlama()
+    mixed.out.weight = torch.nn.Parameter(torch.empty(37, 24, device="meta"))
+    try:
+        fully_shard(mixed, mesh=mesh)
+    except FSDPError as e:
+        msgs["devices"] = str(e)
+    tied = TinyLlama()
+    fully_shard(tied.layers[0], mesh=mesh)
+    tied.out.weight = tied.layers[0].wq.weight  # shares a sharded parameter of another group
+    try:
+        fully_shard(tied, mesh=mesh)
+    except FSDPError as e:
+        msgs["shared"] = str(e)
+    return msgs
+
+
+def test_errors(pool4):
+    for m in pool4.run(_errors):
+        assert "already applied" in m["twice"]
+        assert "3 dims" in m["mesh"]
+        assert "different devices" in m["devices"]
+        assert "shared" in m["shared"] or "already a DTensor" in m["shared"]
+
+
+@pytest.mark.parametrize("world_shape", [(4,)])
+def test_state_dict_round_trip(pool4, world_shape):
+    assert pool4.run(_state_dict, world_shape) == [True] * 4
+
+
+def _state_dict(world_shape):
+    from hp_fsdp import get_full_state_dict, load_full_state_dict
+
+    mesh = hp.init_device_mesh("cpu", world_shape)
+    torch.manual_seed(0)
+    ref = TinyLlama()
+    model = TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    _shard(model, mesh, "ours")
+    sd = model.state_dict()
+    assert all(isinstance(v, hp.DTensor) for k, v in sd.items())
+    full = get_full_state_dict(model, rank0_only=False)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v)
+    torch.manual_seed(1)
+    other = TinyLlama()
+    _shard(other, mesh, "ours")
+    load_full_state_dict(other, full)
+    ids, _ = _batch(0, 1)
+    return bool(torch.allclose(other(ids), ref(ids), atol=1e-6))
