@@ -208,10 +208,11 @@ def fully_shard(
                     f"parameter {full_name!r} is the same tensor as {seen[id(p)]!r}: shared "
                     "parameters must live in one group; fully_shard their common parent instead"
                 )
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or mesh.ndim != 1):
                 raise FSDPError(
-                    f"parameter {full_name!r} is already a DTensor: composing with tensor "
-                    "parallelism is not supported in this version"
+                    f"parameter {full_name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh: "
+                    "fully_shard composes with tensor parallelism on a 1-D tp mesh and a 1-D dp "
+                    "mesh (mesh['tp'], mesh['dp'])"
                 )
             seen[id(p)] = full_name
             devices.add(p.device.type)

@@ -34,11 +34,15 @@ class _Entry:
         "chunk",
         "padded",
         "rows",
+        "inner",
     )
 
-    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n):
+    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n, inner=None):
         self.module, self.name, self.fqn, self.sharded = module, name, fqn, sharded
         self.unsharded: nn.Parameter | None = None
+        #: for a parameter already sharded by tensor parallelism: (tp mesh, tp placements,
+        #: global shape); ``shape`` is then this rank's tensor-parallel piece
+        self.inner = inner
         self.shape = tuple(shape)
         self.rest = 1
         for s in self.shape[1:]:
@@ -67,10 +71,14 @@ class ParamGroup:
                     f"parameter {fqn!r} is 0-d and cannot be sharded on dim 0: keep it out "
                     "with ignored_params or make it 1-d"
                 )
-            dt = hp.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
-            sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if isinstance(p, DTensor):  # tensor parallel inside: shard its local piece further
+                sp, inner = self._shard_tp_param(p, fqn)
+                shape = p.to_local().shape
+            else:
+                dt = hp.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+                sp, inner, shape = nn.Parameter(dt, requires_grad=p.requires_grad), None, p.shape
             sub._parameters[pname] = sp
-            self.entries.append(_Entry(sub, pname, fqn, sp, p.shape, self.n))
+            self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner))
         self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
         self.param_dtype = mp.param_dtype or self.orig_dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
@@ -83,6 +91,30 @@ class ParamGroup:
         self.is_last_backward = True
         self.unsharded = False
         self.swapped_in = False
+
+    def _shard_tp_param(self, p: DTensor, fqn: str):
+        """A (tp-sharded) DTensor parameter, sharded further on dim 0 over the data-parallel
+        mesh: a DTensor on the (tp, dp) mesh with placements (tp placement, Shard(0)) -- the
+        tensor-parallel split first, then each tp piece split over dp."""
+        from hp_dtensor import DeviceMesh
+
+        tp_mesh, dp_mesh = p.device_mesh, self.mesh
+        key = (tp_mesh, dp_mesh)
+        mesh2 = _TP_DP_MESHES.get(key)
+        if mesh2 is None:
+            grid = _tp_dp_grid(tp_mesh, dp_mesh)
+            names = ((tp_mesh.mesh_dim_names or ("tp",))[0], (dp_mesh.mesh_dim_names or ("dp",))[0])
+            mesh2 = DeviceMesh(tp_mesh.device_type, grid, mesh_dim_names=names)
+            _TP_DP_MESHES[key] = mesh2
+        local = p.to_local().detach()
+        length, start = hp.chunk_size_and_offset(
+            local.shape[0], dp_mesh.size(), dp_mesh.get_local_rank()
+        )
+        piece = local.narrow(0, start, length).clone()
+        dt = DTensor.from_local(
+            piece, mesh2, (p.placements[0], hp.Shard(0)), shape=p.shape, stride=p.stride()
+        )
+        return nn.Parameter(dt, requires_grad=p.requires_grad), (tp_mesh, p.placements, p.shape)
 
     # -- queries -----------------------------------------------------------------------------
     def sharded_params(self) -> list[nn.Parameter]:
@@ -118,24 +150,24 @@ class ParamGroup:
             full = full[: e.shape[0]]
             off += e.padded
             if e.unsharded is None:
-                e.unsharded = nn.Parameter(
-                    torch.empty(e.shape, dtype=self.param_dtype, device=dev),
-                    requires_grad=e.sharded.requires_grad,
-                )
-            else:
-                t = e.unsharded
-                nbytes = t.numel() * t.element_size()
-                if t.untyped_storage().size() != nbytes:
-                    t.untyped_storage().resize_(nbytes)
-            with torch.no_grad(), _preserve_version(e.unsharded):
-                e.unsharded.copy_(full)
+                t = torch.empty(e.shape, dtype=self.param_dtype, device=dev)
+                if e.inner is not None:
+                    tp_mesh, tp_pl, gshape = e.inner
+                    t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
+                e.unsharded = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
+            t = _local(e.unsharded)
+            nbytes = t.numel() * t.element_size()
+            if t.untyped_storage().size() != nbytes:
+                t.untyped_storage().resize_(nbytes)
+            with torch.no_grad(), _preserve_version(t):
+                t.copy_(full)
         self.unsharded = True
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage (the tensors stay, for autograd to refill later)."""
         for e in self.entries:
             if e.unsharded is not None:
-                e.unsharded.untyped_storage().resize_(0)
+                _local(e.unsharded).untyped_storage().resize_(0)
         self.unsharded = False
 
     def swap_in(self) -> None:
@@ -210,7 +242,7 @@ class ParamGroup:
         dev = self.entries[0].sharded.to_local().device
         cols = []
         for e in self.entries:
-            g = e.unsharded.grad if e.unsharded is not None else None
+            g = _local(e.unsharded).grad if e.unsharded is not None else None
             if g is None:
                 g = torch.zeros(e.shape, dtype=self.reduce_dtype, device=dev)
             g = g.to(self.reduce_dtype).reshape(e.shape[0], -1) if e.rest else g
@@ -240,7 +272,36 @@ class ParamGroup:
             else:
                 target.grad.add_(local)
             if e.unsharded is not None:
-                e.unsharded.grad = None
+                _local(e.unsharded).grad = None
+
+
+_TP_DP_MESHES: dict = {}
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tp_dp_grid(tp_mesh, dp_mesh) -> list[list[int]]:
+    """The (tp, dp) rank grid of the 2-D mesh that ``tp_mesh`` and ``dp_mesh`` are the 1-D
+    sub-meshes of (e.g. ``mesh['tp']`` and ``mesh['dp']`` of a ('dp', 'tp') mesh)."""
+    root = tp_mesh._root
+    if root is not dp_mesh._root or root.ndim != 2:
+        raise ValueError(
+            "composing fully_shard with tensor parallelism needs mesh['dp'] and mesh['tp'] of "
+            "one 2-D DeviceMesh"
+        )
+    tp_dim, dp_dim = tp_mesh._root_dims[0][0], dp_mesh._root_dims[0][0]
+    shape, ranks = root.shape, root.rank_list
+    grid = []
+    for t in range(shape[tp_dim]):
+        row = []
+        for d in range(shape[dp_dim]):
+            coord = [0, 0]
+            coord[tp_dim], coord[dp_dim] = t, d
+            row.append(ranks[coord[0] * shape[1] + coord[1]])
+        grid.append(row)
+    return grid
 
 
 def _end_of_backward() -> None:

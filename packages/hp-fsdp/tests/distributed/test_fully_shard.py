@@ -219,3 +219,62 @@ def _state_dict(world_shape):
     load_full_state_dict(other, full)
     ids, _ = _batch(0, 1)
     return bool(torch.allclose(other(ids), ref(ids), atol=1e-6))
+
+
+def _run_tp_fsdp(steps=6):
+    """TP=2 inside each block x FSDP=2 over the batch, on a (dp, tp) mesh."""
+    import hp_dtensor.parallel as hpp
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    ref = TinyLlama()
+    model = TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    plan = {
+        "wq": hpp.ColwiseParallel(),
+        "wk": hpp.ColwiseParallel(),
+        "wv": hpp.ColwiseParallel(),
+        "wo": hpp.RowwiseParallel(),
+        "w1": hpp.ColwiseParallel(),
+        "w3": hpp.ColwiseParallel(),
+        "w2": hpp.RowwiseParallel(),
+    }
+    for layer in model.layers:
+        hpp.parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    wq = model.layers[0].wq.weight
+    assert wq.placements == (hp.Shard(0), hp.Shard(0)) and tuple(wq.shape) == (24, 24)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        ids, tgt = _batch(step, 2)
+        mine = slice(dp_rank * B_LOCAL, (dp_rank + 1) * B_LOCAL)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(model(ids[mine]).flatten(0, 1), tgt[mine].flatten())
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten())
+        ref_loss.backward()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg, group=mesh.get_group("dp"))
+        torch.testing.assert_close(avg / 2, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=f"grad {name} step {step}"
+            )
+        opt.step()
+        ref_opt.step()
+        losses.append(avg.item() / 2)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(
+            p.detach().full_tensor(), q.detach(), rtol=1e-4, atol=1e-5, msg=name
+        )
+    return losses
+
+
+def test_tp2_x_fsdp2_matches_single_device(pool4):
+    res = pool4.run(_run_tp_fsdp)
+    assert all(r == res[0] for r in res)

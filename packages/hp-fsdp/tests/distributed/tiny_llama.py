@@ -25,24 +25,27 @@ class Block(nn.Module):
         self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
         self.attention_norm = RMSNorm(dim)
         self.wq = nn.Linear(dim, heads * self.hd, bias=False)
-        self.wkv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.wo = nn.Linear(heads * self.hd, dim, bias=False)
         self.ffn_norm = RMSNorm(dim)
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=True)
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
         h = self.attention_norm(x)
-        q = self.wq(h).view(b, s, self.heads, self.hd)
-        k, v = self.wkv(h).view(b, s, 2 * self.kv_heads, self.hd).chunk(2, dim=2)
+        q = self.wq(h).view(b, s, -1, self.hd)  # -1: local heads under tensor parallelism
+        k = self.wk(h).view(b, s, -1, self.hd)
+        v = self.wv(h).view(b, s, -1, self.hd)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
-        g, u = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(g) * u)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
 class TinyLlama(nn.Module):
