@@ -15,6 +15,7 @@ __all__ = ["ParamGroup"]
 
 _COUNTER = itertools.count()
 _PENDING: list = []  # groups whose backward started; reduced at the end of backward
+_FORWARD_ORDER: list = []  # groups in the order their forward ran (for backward prefetch)
 
 
 def _preserve_version(t: torch.Tensor):
@@ -91,6 +92,9 @@ class ParamGroup:
         self.is_last_backward = True
         self.unsharded = False
         self.swapped_in = False
+        self._ag = None  # a started all-gather: (work, recv, send, total, device)
+        self._rs = None  # a started reduce-scatter: (work, out)
+        self._ready = 0  # gradients accumulated in this backward
 
     def _shard_tp_param(self, p: DTensor, fqn: str):
         """A (tp-sharded) DTensor parameter, sharded further on dim 0 over the data-parallel
@@ -128,21 +132,40 @@ class ParamGroup:
         self.unsharded = False
 
     # -- all-gather ------------------------------------------------------------------------------
-    def unshard(self) -> None:
-        """All-gather every parameter of the group as one flat buffer and copy it out."""
-        if self.unsharded or not self.entries:
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every parameter of the group as one flat buffer (copy-in, one collective,
+        copy-out). With ``async_op`` the collective is only started; ``wait_unshard`` (called
+        by the next forward/backward of the group) finishes it: that is how prefetching
+        overlaps the next group's all-gather with this group's compute."""
+        if self.unsharded or self._ag is not None or not self.entries:
+            if not async_op:
+                self.wait_unshard()
             return
         dev = self.entries[0].sharded.to_local().device
         pieces = []
         for e in self.entries:
-            loc = e.sharded.to_local().detach().reshape(-1).to(self.param_dtype)
+            loc = e.sharded.to_local().detach().reshape(-1).to(self.param_dtype)  # dp piece
             if loc.numel() < e.padded:
                 loc = torch.cat([loc, loc.new_zeros(e.padded - loc.numel())])
             pieces.append(loc)
         send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
         total = send.numel()
         recv = torch.empty(self.n * total, dtype=self.param_dtype, device=dev)
-        self.platform.all_gather_into(recv, send, self.mesh._groups[self.shard_dim])
+        work = self.platform.all_gather_into(
+            recv, send, self.mesh._groups[self.shard_dim], async_op=True
+        )
+        self._ag = (work, recv, send, total, dev)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Finish a started all-gather: wait, then copy out into the unsharded parameters."""
+        if self._ag is None:
+            return
+        work, recv, _send, total, dev = self._ag
+        self._ag = None
+        if work is not None:
+            work.wait()
         recv = recv.view(self.n, total)
         off = 0
         for e in self.entries:
@@ -155,6 +178,8 @@ class ParamGroup:
                     tp_mesh, tp_pl, gshape = e.inner
                     t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
                 e.unsharded = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
+                if e.unsharded.requires_grad:
+                    _local(e.unsharded).register_post_accumulate_grad_hook(self._grad_ready)
             t = _local(e.unsharded)
             nbytes = t.numel() * t.element_size()
             if t.untyped_storage().size() != nbytes:
@@ -203,7 +228,11 @@ class ParamGroup:
         self.unshard()
         self.swap_in()
         for g in self.forward_prefetch:
-            g.unshard()
+            g.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            if self in _FORWARD_ORDER:  # a new forward pass (no backward in between)
+                _FORWARD_ORDER.clear()
+            _FORWARD_ORDER.append(self)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         return args, kwargs
@@ -224,38 +253,68 @@ class ParamGroup:
 
     def _pre_backward(self, grad):
         self.unshard()
-        for g in self.backward_prefetch:
-            g.unshard()
+        prefetch = self.backward_prefetch
+        if not prefetch and self in _FORWARD_ORDER:
+            # implicitly: the group whose forward ran just before this one's
+            k = _FORWARD_ORDER.index(self)
+            prefetch = [_FORWARD_ORDER[k - 1]] if k > 0 else []
+        for g in prefetch:
+            g.unshard(async_op=True)
         if not _PENDING:
             Variable._execution_engine.queue_callback(_end_of_backward)
         if self not in _PENDING:
+            self._ready = 0
             _PENDING.append(self)
+
+    def _grad_ready(self, _param) -> None:
+        """All of the group's gradients have arrived: start the reduce-scatter now, so it runs
+        while backward computes the earlier groups."""
+        self._ready += 1
+        needed = sum(1 for e in self.entries if e.sharded.requires_grad)
+        if self._ready == needed and self.sync and self in _PENDING and self._rs is None:
+            self._start_reduce()
+            if self.reshard_after_backward:
+                self.free_unsharded()
 
     # -- reduce-scatter --------------------------------------------------------------------
     def post_backward(self) -> None:
+        """End of backward: finish (or do) the reduction, then reshard."""
         if self.sync and self.entries:
-            self._reduce_grads()
+            if self._rs is None:
+                self._start_reduce()
+            self._finish_reduce()
+        self._ready = 0
         if self.reshard_after_backward:
             self.free_unsharded()
 
-    def _reduce_grads(self) -> None:
+    def _start_reduce(self) -> None:
         dev = self.entries[0].sharded.to_local().device
         cols = []
         for e in self.entries:
             g = _local(e.unsharded).grad if e.unsharded is not None else None
             if g is None:
                 g = torch.zeros(e.shape, dtype=self.reduce_dtype, device=dev)
-            g = g.to(self.reduce_dtype).reshape(e.shape[0], -1) if e.rest else g
+            g = g.to(self.reduce_dtype).reshape(e.shape[0], -1)
             if self.grad_scale != 1.0:
                 g = g * self.grad_scale
             pad = self.n * e.chunk - e.shape[0]
             if pad:
                 g = torch.cat([g, g.new_zeros((pad,) + tuple(g.shape[1:]))])
             cols.append(g.reshape(self.n, e.padded))
+            if e.unsharded is not None:
+                _local(e.unsharded).grad = None  # copied into the send buffer: free it
         send = torch.cat(cols, dim=1).reshape(-1).contiguous()
-        total = send.numel() // self.n
-        out = torch.empty(total, dtype=self.reduce_dtype, device=dev)
-        self.platform.reduce_scatter_into(out, send, "sum", self.mesh._groups[self.shard_dim])
+        out = torch.empty(send.numel() // self.n, dtype=self.reduce_dtype, device=dev)
+        work = self.platform.reduce_scatter_into(
+            out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
+        )
+        self._rs = (work, out, send)
+
+    def _finish_reduce(self) -> None:
+        work, out, _send = self._rs
+        self._rs = None
+        if work is not None:
+            work.wait()
         divide = self.n
         if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
             self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim])
@@ -271,8 +330,6 @@ class ParamGroup:
                 target.grad = local.clone()
             else:
                 target.grad.add_(local)
-            if e.unsharded is not None:
-                _local(e.unsharded).grad = None
 
 
 _TP_DP_MESHES: dict = {}
@@ -305,8 +362,10 @@ def _tp_dp_grid(tp_mesh, dp_mesh) -> list[list[int]]:
 
 
 def _end_of_backward() -> None:
-    groups = sorted(_PENDING, key=lambda g: -g.index)  # the same order on every rank
+    # reductions already started keep their order; the rest start in a fixed order
+    groups = sorted(_PENDING, key=lambda g: (g._rs is None, -g.index))
     _PENDING.clear()
+    _FORWARD_ORDER.clear()
     for g in groups:
         g.post_backward()
 

@@ -278,3 +278,33 @@ def _run_tp_fsdp(steps=6):
 def test_tp2_x_fsdp2_matches_single_device(pool4):
     res = pool4.run(_run_tp_fsdp)
     assert all(r == res[0] for r in res)
+
+
+def _prefetch():
+    mesh = hp.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    ref = TinyLlama(layers=3)
+    model = TinyLlama(layers=3)
+    model.load_state_dict(ref.state_dict())
+    _shard(model, mesh, "ours")
+    layers = list(model.layers)
+    for a, b in zip(layers, layers[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
+    seen = []
+    layers[1].register_forward_pre_hook(
+        lambda m, a: seen.append(m._hp_fsdp._ag is not None or m._hp_fsdp.unsharded),
+        prepend=True,
+    )
+    ids, tgt = _batch(0, 4)
+    rank = dist.get_rank()
+    mine = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    F.cross_entropy(model(ids[mine]).flatten(0, 1), tgt[mine].flatten()).backward()
+    F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6)
+    return seen
+
+
+def test_explicit_prefetch_gathers_early_and_stays_exact(pool4):
+    assert pool4.run(_prefetch) == [[True]] * 4
