@@ -196,9 +196,10 @@ class DTensor(torch.Tensor):
             grad_placements, self._spec.mesh.ndim, self.ndim, arg="grad_placements"
         )
         target = _dual_placements(self._spec.placements)
-        if gp == target or not (torch.is_grad_enabled() and self._local.requires_grad):
-            return self._local
-        return _GradAs.apply(self._local, self._spec, gp)
+        local = _redundant_local(self)
+        if gp == target or not (torch.is_grad_enabled() and local.requires_grad):
+            return local
+        return _GradAs.apply(local, self._spec, gp)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole tensor on every rank (a collective unless already replicated)."""
@@ -339,10 +340,9 @@ class DTensor(torch.Tensor):
 
     def register_hook(self, hook):  # type: ignore[override]
         """Register ``hook(grad: DTensor) -> DTensor | None`` on the gradient."""
-        spec = _dual_spec(self._spec)
 
         def local_hook(g):
-            out = hook(_make(g, spec))
+            out = hook(_make(g, _grad_spec(self)))
             return None if out is None else out._local
 
         return self._local.register_hook(local_hook)
@@ -507,7 +507,7 @@ def _split_use_local(d: DTensor, dims):
     info = d._gr.get("gather") if (d._spec.gathered and d._gr is not None) else None
     if info is None:
         return local, dims
-    split = {m for m, _ in dims}
+    split = {m for m, op in dims if op == "sum"}
     keep = []
     scale = 1.0
     for m in info.dims:
@@ -1152,7 +1152,7 @@ class _Planned:
                 loc = _redistribute_local(d, tgt, rs)
                 if dims and rs:
                     dims = tuple(x for x in dims if x[0] not in rs)
-            elif grad and self.gathered_in:
+            elif grad and self.gathered_in and not (self.inplace and i == 0):
                 loc, dims = _split_use_local(d, dims) if dims else (_redundant_local(d), None)
             else:
                 loc = d._local
@@ -1198,9 +1198,9 @@ def _grad_reduced(d: DTensor, local, target, mesh, dims):
     if cache is None:
         cache = d._gr = {}
     hit = cache.get(dims)
-    if hit is None or hit[0] is not local:
-        hit = cache[dims] = (local, AllReduceGrad.apply(local, mesh, dims))
-    return hit[1]
+    if hit is None or hit[0] is not local or hit[1] != local._version:  # in-place ops bump it
+        hit = cache[dims] = (local, local._version, AllReduceGrad.apply(local, mesh, dims))
+    return hit[2]
 
 
 class _Fallback:
@@ -1399,7 +1399,7 @@ def _dropout(func, args, kwargs):
     if vals.get("inplace", False):
         self._local.mul_(local_mask)
         return self
-    return _make(self._local * local_mask, spec)
+    return _make(_redundant_local(self) * local_mask, spec.with_placements(spec.placements))
 
 
 def _autograd_grad(func, args, kwargs):
@@ -1430,10 +1430,22 @@ def _autograd_grad(func, args, kwargs):
     l_ins = [i._local if isinstance(i, DTensor) else i for i in ins]
     grads = torch.autograd.grad(l_outs, l_ins, l_gos, **vals)
     res = tuple(
-        _make(g, _dual_spec(i._spec)) if (g is not None and isinstance(i, DTensor)) else g
+        _make(g, _grad_spec(i)) if (g is not None and isinstance(i, DTensor)) else g
         for g, i in zip(grads, ins)
     )
     return res
+
+
+def _grad_spec(d: DTensor) -> DTensorSpec:
+    """Placements of the local gradient of ``d``: the dual placements, Partial on the dims of
+    a gathered activation whose gradient is still partial (NOTE [Gathered activations])."""
+    spec = _dual_spec(d._spec)
+    info = d._gr.get("gather") if d._gr is not None else None
+    partial = info.partial_dims() if info is not None else ()
+    if not partial:
+        return spec
+    pl = tuple(Partial() if m in partial else p for m, p in enumerate(spec.placements))
+    return spec.with_placements(pl)
 
 
 def _autograd_backward(func, args, kwargs):

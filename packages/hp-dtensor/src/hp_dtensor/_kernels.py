@@ -70,7 +70,12 @@ class _ShardedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, platform, groups):
         xf = x.float()
-        m = xf.detach().amax(dim, keepdim=True)
+        if xf.shape[dim]:
+            m = xf.detach().amax(dim, keepdim=True)
+        else:  # this rank holds no classes
+            shape = list(xf.shape)
+            shape[dim] = 1
+            m = xf.new_full(shape, float("-inf"))
         for g in groups:
             platform.all_reduce(m, "max", g)
         s = (xf - m).exp().sum(dim, keepdim=True)
@@ -96,6 +101,12 @@ def _log_softmax_sharded(func, args, kwargs, specs, out_spec):
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     dim = dim % x.ndim
+    dtype = kwargs.get("dtype")
+    for a in args[2:]:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    if dtype is not None:
+        x = x.to(dtype)
     groups = _groups_of(specs[0], lambda p: isinstance(p, Shard) and p.dim == dim)
     return _ShardedLogSoftmax.apply(x, dim, get_platform(specs[0].mesh.device_type), groups)
 
@@ -124,7 +135,11 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         local_t = t - offset
         inside = (local_t >= 0) & (local_t < c_local)
         idx = local_t.clamp(0, max(c_local - 1, 0)).unsqueeze(1)
-        picked = xf.gather(1, idx).squeeze(1) * inside if c_local else torch.zeros_like(lse)
+        picked = (
+            torch.where(inside, xf.gather(1, idx).squeeze(1), 0.0)
+            if c_local
+            else torch.zeros_like(lse)
+        )
         for g in groups:
             platform.all_reduce(picked, "sum", g)
         w_t = weight.float()[t] if weight is not None else torch.ones_like(lse)
@@ -198,7 +213,10 @@ def _class_loss(func, args, kwargs, specs, out_spec):
         c_local = x.shape[1]
         inside = (local_t >= 0) & (local_t < c_local)
         idx = local_t.clamp(0, max(c_local - 1, 0)).unsqueeze(1)
-        picked = x.gather(1, idx).squeeze(1) * inside
+        if c_local:
+            picked = torch.where(inside, x.gather(1, idx).squeeze(1), 0.0)
+        else:  # this rank holds no classes; keep the graph connected to x
+            picked = x.sum(1) * 0.0
         picked = _SumAcross.apply(picked, platform, vocab) if vocab else picked
         w_t = weight[t] if weight is not None else torch.ones_like(picked)
         per = -(w_t * picked) * valid

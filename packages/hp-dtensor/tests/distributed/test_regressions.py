@@ -149,3 +149,88 @@ def _setitem_shape(shape):
     ref = torch.zeros(shape)
     ref[-1] = 1.0
     return _close(x.full_tensor(), ref)
+
+
+def _second_review():
+    import torch.nn as nn
+
+    import hp_dtensor.parallel as hpp
+
+    mesh = hp.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 6, generator=g), torch.randn(6, 4, generator=g)
+    r = {}
+    # a shared gradient all-reduce must not outlive an in-place change of its activation
+    xs = hp.distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    ws = hp.distribute_tensor(w, mesh, [Shard(1)])
+    h = xs * 1
+    y1 = torch.mm(h, ws)
+    h.mul_(3)
+    y2 = torch.mm(h, ws)
+    (y1.full_tensor().sum() + y2.full_tensor().pow(2).sum()).backward()
+    rx = x.clone().requires_grad_()
+    rh = rx * 1
+    ry1 = rh @ w
+    rh.mul_(3)
+    (ry1.sum() + (rh @ w).pow(2).sum()).backward()
+    r["stale_cache"] = _close(xs.grad.full_tensor(), rx.grad)
+    # gathered activations: in-place after a split use, dropout, to_local(grad_placements)
+    for case in ("inplace", "dropout", "to_local_gp", "autograd_grad"):
+        xs = hp.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        rx = x.clone().requires_grad_()
+        gx = xs.redistribute(mesh, [Replicate()])
+        y = torch.mm(gx, ws).full_tensor().sum()
+        ry = (rx @ w).sum()
+        if case == "inplace":
+            gx.mul_(3)
+            rx2 = rx * 1
+            rx2.mul_(3)
+            z, rz = torch.mm(gx, ws).full_tensor().pow(2).sum(), (rx2 @ w).pow(2).sum()
+        elif case == "dropout":
+            hp.manual_seed(5, mesh)
+            z = F.dropout(gx, 0.5, True).sum().full_tensor()
+            torch.manual_seed(5)
+            rz = F.dropout(rx, 0.5, True).sum()
+        elif case == "to_local_gp":
+            z = gx.to_local(grad_placements=[Replicate()]).pow(2).sum()
+            rz = rx.pow(2).sum()
+        else:
+            (gg,) = torch.autograd.grad(y, [gx])
+            (rg,) = torch.autograd.grad(ry, [rx])
+            r[case] = _close(gg.full_tensor(), rg)
+            continue
+        (y + z).backward()
+        (ry + rz).backward()
+        r[case] = _close(xs.grad.full_tensor(), rx.grad)
+    # losses over class shards where a rank holds no classes, or a -inf logit
+    logits = torch.randn(5, 1, generator=g)
+    tgt = torch.zeros(5, dtype=torch.long)
+    lg = hp.distribute_tensor(logits, mesh, [Shard(1)])
+    with hpp.loss_parallel():
+        nll = F.nll_loss(F.log_softmax(lg, -1), tgt)
+    r["no_classes"] = _close(nll.full_tensor(), F.nll_loss(F.log_softmax(logits, -1), tgt))
+    logits = torch.randn(5, 6, generator=g)
+    logits[:, 3] = float("-inf")
+    tgt = torch.tensor([0, 1, 2, 4, 5])
+    lg = hp.distribute_tensor(logits, mesh, [Shard(1)])
+    r["neg_inf"] = _close(F.cross_entropy(lg, tgt).full_tensor(), F.cross_entropy(logits, tgt))
+    with hpp.loss_parallel():
+        lp = F.log_softmax(lg, -1, dtype=torch.float64)
+    r["dtype"] = lp.dtype == lp.to_local().dtype == torch.float64
+    # vocab-parallel embedding with scale_grad_by_freq
+    ref = nn.Embedding(8, 3, scale_grad_by_freq=True)
+    emb = nn.Embedding(8, 3, scale_grad_by_freq=True)
+    emb.load_state_dict(ref.state_dict())
+    hpp.parallelize_module(emb, mesh, hpp.RowwiseParallel())
+    ids = torch.tensor([[0, 0, 5, 7, 0, 2]])
+    emb(ids).sum().backward()
+    ref(ids).sum().backward()
+    r["scale_grad_by_freq"] = _close(emb.weight.grad.full_tensor(), ref.weight.grad)
+    return r
+
+
+def test_second_review_findings(pool):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for res in pool.run(_second_review):
+            assert all(res.values()), {k: v for k, v in res.items() if not v}

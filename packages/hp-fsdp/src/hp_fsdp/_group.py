@@ -93,6 +93,7 @@ class ParamGroup:
         self.unsharded = False
         self.swapped_in = False
         self._ag = None  # a started all-gather: (work, recv, send, total, device)
+        self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
         self._rs = None  # a started reduce-scatter: (work, out)
         self._ready = 0  # gradients accumulated in this backward
 
@@ -142,15 +143,21 @@ class ParamGroup:
                 self.wait_unshard()
             return
         dev = self.entries[0].sharded.to_local().device
-        pieces = []
-        for e in self.entries:
-            loc = e.sharded.to_local().detach().reshape(-1).to(self.param_dtype)  # dp piece
-            if loc.numel() < e.padded:
-                loc = torch.cat([loc, loc.new_zeros(e.padded - loc.numel())])
-            pieces.append(loc)
-        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-        total = send.numel()
+        total = self.total
+        # copy-in straight into this rank's slot of the output: one cast-copy per parameter and
+        # an in-place collective (no separate send buffer, no self-copy)
         recv = torch.empty(self.n * total, dtype=self.param_dtype, device=dev)
+        me = self.mesh.get_local_rank(self.shard_dim)
+        send = recv[me * total : (me + 1) * total]
+        off = 0
+        with torch.no_grad():
+            for e in self.entries:
+                loc = e.sharded.to_local()
+                k = loc.numel()
+                send[off : off + k].copy_(loc.reshape(-1))
+                if k < e.padded:
+                    send[off + k : off + e.padded].zero_()
+                off += e.padded
         work = self.platform.all_gather_into(
             recv, send, self.mesh._groups[self.shard_dim], async_op=True
         )
@@ -169,8 +176,7 @@ class ParamGroup:
         recv = recv.view(self.n, total)
         off = 0
         for e in self.entries:
-            full = recv[:, off : off + e.padded].reshape((self.n * e.chunk,) + e.shape[1:])
-            full = full[: e.shape[0]]
+            src = recv[:, off : off + e.padded]
             off += e.padded
             if e.unsharded is None:
                 t = torch.empty(e.shape, dtype=self.param_dtype, device=dev)
@@ -185,7 +191,15 @@ class ParamGroup:
             if t.untyped_storage().size() != nbytes:
                 t.untyped_storage().resize_(nbytes)
             with torch.no_grad(), _preserve_version(t):
-                t.copy_(full)
+                flat = t.view(-1)
+                if e.shape[0] == self.n * e.chunk:  # even: one strided copy
+                    flat.view(self.n, e.padded).copy_(src)
+                else:  # uneven: each rank's rows
+                    for r in range(self.n):
+                        rows, start = hp.chunk_size_and_offset(e.shape[0], self.n, r)
+                        if rows:
+                            k = rows * e.rest
+                            flat[start * e.rest : start * e.rest + k].copy_(src[r, :k])
         self.unsharded = True
 
     def free_unsharded(self) -> None:
@@ -289,22 +303,34 @@ class ParamGroup:
 
     def _start_reduce(self) -> None:
         dev = self.entries[0].sharded.to_local().device
-        cols = []
-        for e in self.entries:
-            g = _local(e.unsharded).grad if e.unsharded is not None else None
-            if g is None:
-                g = torch.zeros(e.shape, dtype=self.reduce_dtype, device=dev)
-            g = g.to(self.reduce_dtype).reshape(e.shape[0], -1)
-            if self.grad_scale != 1.0:
-                g = g * self.grad_scale
-            pad = self.n * e.chunk - e.shape[0]
-            if pad:
-                g = torch.cat([g, g.new_zeros((pad,) + tuple(g.shape[1:]))])
-            cols.append(g.reshape(self.n, e.padded))
-            if e.unsharded is not None:
+        total = self.total
+        # copy-in: each gradient goes straight into its column of the (ranks, total) buffer,
+        # cast to reduce_dtype by the same copy
+        send = torch.empty(self.n, total, dtype=self.reduce_dtype, device=dev)
+        off = 0
+        with torch.no_grad():
+            for e in self.entries:
+                col = send[:, off : off + e.padded]
+                off += e.padded
+                g = _local(e.unsharded).grad if e.unsharded is not None else None
+                if g is None:
+                    col.zero_()
+                    continue
+                if self.grad_scale != 1.0:
+                    g = g * self.grad_scale
+                flat = g.reshape(-1)
+                if e.shape[0] == self.n * e.chunk:
+                    col.copy_(flat.view(self.n, e.padded))
+                else:
+                    col.zero_()
+                    for r in range(self.n):
+                        rows, start = hp.chunk_size_and_offset(e.shape[0], self.n, r)
+                        if rows:
+                            k = rows * e.rest
+                            col[r, :k].copy_(flat[start * e.rest : start * e.rest + k])
                 _local(e.unsharded).grad = None  # copied into the send buffer: free it
-        send = torch.cat(cols, dim=1).reshape(-1).contiguous()
-        out = torch.empty(send.numel() // self.n, dtype=self.reduce_dtype, device=dev)
+        send = send.view(-1)
+        out = torch.empty(total, dtype=self.reduce_dtype, device=dev)
         work = self.platform.reduce_scatter_into(
             out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
         )
@@ -324,10 +350,9 @@ class ParamGroup:
         for e in self.entries:
             local = out[off : off + e.padded].view((e.chunk,) + e.shape[1:])[: e.rows]
             off += e.padded
-            local = local.to(e.sharded.dtype)
             target = e.sharded.to_local()
             if target.grad is None:
-                target.grad = local.clone()
+                target.grad = local.to(e.sharded.dtype, copy=True)
             else:
                 target.grad.add_(local)
 

@@ -141,6 +141,10 @@ def embedding_rule(call: Call) -> Strategy | None:
     """
     if call.arg(3, "max_norm", None) is not None or len(call.tensors) != 2:
         return None
+    if call.arg(5, "scale_grad_by_freq", False) and any(
+        isinstance(p, Shard) and p.dim == 0 for p in call.tensors[1].placements
+    ):
+        return None  # frequencies must count the original ids: gather the table
     idx, w = call.tensors
     out_last = idx.ndim
     uses_kernel = []
@@ -319,7 +323,7 @@ def rotary_rule(call: Call) -> Strategy | None:
         for p in (qp, kp):
             if isinstance(p, Shard) and p.dim in (0, 1, 2):
                 k = p.dim
-                rope = Shard(0) if k == 1 else REPLICATE
+                rope = Shard(ts[2].ndim - 2) if k == 1 else REPLICATE
                 return [Shard(k), Shard(k), rope, rope], [Shard(k), Shard(k)]
         return [REPLICATE] * 4, [REPLICATE, REPLICATE]
 

@@ -254,6 +254,12 @@ class PrepareModuleOutput(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _one_d(device_mesh, "PrepareModuleOutput")
+        outs, des = _tuple(self.output_layouts), _tuple(self.desired_output_layouts)
+        if outs is not None and des is not None and len(outs) != len(des):
+            raise PlacementError(
+                f"output_layouts has {len(outs)} entries but desired_output_layouts {len(des)} "
+                f"(module {path!r}): give one entry (or None) per output"
+            )
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
