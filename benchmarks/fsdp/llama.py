@@ -31,11 +31,12 @@ sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distribut
 def _run(rank, world, args, path, queue):
     from tiny_llama import TinyLlama
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import hp_dtensor as hp
-    from hp_fsdp import MixedPrecisionPolicy, fully_shard
+    from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     warnings.simplefilter("ignore")
     if path is not None:
@@ -71,13 +72,16 @@ def _run(rank, world, args, path, queue):
                 else MixedPrecisionPolicy()
             )
             shard = fully_shard
+            offload = CPUOffloadPolicy() if args.offload else None
         else:
             mesh = init_device_mesh(args.device, (world,))
             mpp = TorchMP(torch.bfloat16, torch.float32) if args.bf16 else TorchMP()
             shard = torch_fully_shard
+            offload = TorchOffload() if args.offload else None
+        kw = {"offload_policy": offload} if offload is not None else {}
         for layer in model.layers:
-            shard(layer, mesh=mesh, mp_policy=mpp)
-        shard(model, mesh=mesh, mp_policy=mpp)
+            shard(layer, mesh=mesh, mp_policy=mpp, **kw)
+        shard(model, mesh=mesh, mp_policy=mpp, **kw)
         runs[kind] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True))
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(dev)
@@ -122,7 +126,8 @@ def _report(args, world, results):
     print(
         f"fully_shard Llama-style fwd+bwd+AdamW, {args.device}, {world} ranks, dim {args.dim}, "
         f"{args.layers} layers, vocab {args.vocab}, batch {args.batch}x{args.seq}, "
-        f"bf16={args.bf16}, torch {torch.__version__}; median of {args.repeats} x {args.iters}"
+        f"bf16={args.bf16}, offload={args.offload}, torch {torch.__version__}; "
+        f"median of {args.repeats} x {args.iters}"
     )
     med = {k: max(r[k][0] for r in results.values()) for k in ("ours", "torch")}
     peak = {k: max(r[k][1] for r in results.values()) for k in ("ours", "torch")}
@@ -162,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy for both")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)

@@ -58,8 +58,9 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class CPUOffloadPolicy:
-    """Keep sharded parameters, gradients and optimizer states on the CPU (not yet supported
-    on accelerators in this version: ``fully_shard`` raises when it would matter)."""
+    """Keep sharded parameters, gradients (and so optimizer states) on the CPU; parameters are
+    copied to the mesh's device for the all-gather, gradients back after the reduce-scatter.
+    ``pin_memory`` pins the CPU shards so the copies can overlap (when an accelerator exists)."""
 
     pin_memory: bool = True
 
@@ -179,8 +180,8 @@ def fully_shard(
         )
     if shard_placement_fn is not None:
         raise FSDPError("shard_placement_fn is not supported yet: parameters shard on dim 0")
-    if offload_policy is not None:
-        raise FSDPError("offload_policy is not supported yet in this version of hp-fsdp")
+    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
     ignored = {id(p) for p in (ignored_params or ())}
     owned: dict[int, nn.Module] = {}
     for sub in module.modules():
@@ -228,7 +229,9 @@ def fully_shard(
             if shared:
                 raise FSDPError("a parameter is shared between groups: fully_shard their parent")
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
-    group = ParamGroup(module, mesh, entries, placements, reshard_after_forward, mp_policy)
+    group = ParamGroup(
+        module, mesh, entries, placements, reshard_after_forward, mp_policy, offload_policy
+    )
     module.__class__ = _hsdp_class(type(module))
     module._hp_fsdp = group
     group.register_hooks()

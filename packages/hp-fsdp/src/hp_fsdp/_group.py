@@ -56,10 +56,12 @@ class _Entry:
 class ParamGroup:
     """State of one ``fully_shard`` call (see ``hp_fsdp._api``)."""
 
-    def __init__(self, module, mesh, entries, placements, reshard_after_forward, mp):
+    def __init__(self, module, mesh, entries, placements, reshard_after_forward, mp, offload=None):
         self.index = next(_COUNTER)
         self.module = module
         self.mesh = mesh
+        self.device = mesh.device  # where unsharded parameters and collectives live
+        self.offload = offload
         self.shard_dim = mesh.ndim - 1
         self.rep_dim = 0 if mesh.ndim == 2 else None
         self.n = mesh.shape[self.shard_dim]
@@ -78,6 +80,8 @@ class ParamGroup:
             else:
                 dt = hp.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
                 sp, inner, shape = nn.Parameter(dt, requires_grad=p.requires_grad), None, p.shape
+            if offload is not None:  # sharded parameter (and so grads, optimizer states) on CPU
+                sp = self._to_cpu(sp, offload.pin_memory)
             sub._parameters[pname] = sp
             self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner))
         self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
@@ -96,6 +100,16 @@ class ParamGroup:
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
         self._rs = None  # a started reduce-scatter: (work, out)
         self._ready = 0  # gradients accumulated in this backward
+
+    @staticmethod
+    def _to_cpu(sp: nn.Parameter, pin: bool) -> nn.Parameter:
+        local = sp.to_local().detach().to("cpu")
+        if pin and torch.cuda.is_available():
+            local = local.pin_memory()
+        dt = DTensor.from_local(
+            local, sp.device_mesh, sp.placements, shape=sp.shape, stride=sp.stride()
+        )
+        return nn.Parameter(dt, requires_grad=sp.requires_grad)
 
     def _shard_tp_param(self, p: DTensor, fqn: str):
         """A (tp-sharded) DTensor parameter, sharded further on dim 0 over the data-parallel
@@ -142,7 +156,7 @@ class ParamGroup:
             if not async_op:
                 self.wait_unshard()
             return
-        dev = self.entries[0].sharded.to_local().device
+        dev = self.device
         total = self.total
         # copy-in straight into this rank's slot of the output: one cast-copy per parameter and
         # an in-place collective (no separate send buffer, no self-copy)
@@ -154,7 +168,7 @@ class ParamGroup:
             for e in self.entries:
                 loc = e.sharded.to_local()
                 k = loc.numel()
-                send[off : off + k].copy_(loc.reshape(-1))
+                send[off : off + k].copy_(loc.reshape(-1), non_blocking=True)
                 if k < e.padded:
                     send[off + k : off + e.padded].zero_()
                 off += e.padded
@@ -302,7 +316,7 @@ class ParamGroup:
             self.free_unsharded()
 
     def _start_reduce(self) -> None:
-        dev = self.entries[0].sharded.to_local().device
+        dev = self.device
         total = self.total
         # copy-in: each gradient goes straight into its column of the (ranks, total) buffer,
         # cast to reduce_dtype by the same copy
@@ -352,9 +366,9 @@ class ParamGroup:
             off += e.padded
             target = e.sharded.to_local()
             if target.grad is None:
-                target.grad = local.to(e.sharded.dtype, copy=True)
+                target.grad = local.to(device=target.device, dtype=e.sharded.dtype, copy=True)
             else:
-                target.grad.add_(local)
+                target.grad.add_(local.to(target.device))
 
 
 _TP_DP_MESHES: dict = {}

@@ -14,7 +14,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_llama import TinyLlama  # noqa: E402
 
 import hp_dtensor as hp  # noqa: E402
-from hp_fsdp import FSDPError, HSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from hp_fsdp import (  # noqa: E402
+    CPUOffloadPolicy,
+    FSDPError,
+    HSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 pool4 = rank_pool_fixture(4)
 
@@ -40,7 +46,8 @@ def _shard(model, mesh, impl, **kw):
         torch_fully_shard(model, mesh=mesh, **kw)
 
 
-def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True):
+def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True,
+         offload=False):
     """Train ``steps`` AdamW steps; compare with the single-device reference every step."""
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -55,7 +62,10 @@ def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", world_shape)
-    _shard(model, mesh, impl, reshard_after_forward=reshard_after_forward)
+    kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    _shard(model, mesh, impl, reshard_after_forward=reshard_after_forward, **kw)
+    if offload:
+        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = []
@@ -97,6 +107,10 @@ def test_hsdp_2x2_matches_single_device(pool4):
 
 def test_no_reshard_and_gradient_accumulation(pool4):
     pool4.run(_run, (4,), steps=4, accumulate=2, reshard_after_forward=False)
+
+
+def test_cpu_offload_matches_single_device(pool4):
+    pool4.run(_run, (4,), steps=3, offload=True)
 
 
 def test_same_losses_as_torch_fsdp2(pool4):
