@@ -360,6 +360,10 @@ class ParamGroup:
             self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim])
             divide *= self.mesh.shape[self.rep_dim]
         out.div_(divide)
+        if self.offload is not None and out.device.type != "cpu":
+            # one copy of the whole reduced shard to the CPU, then views per parameter
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.offload.pin_memory)
+            out = host.copy_(out)
         off = 0
         for e in self.entries:
             local = out[off : off + e.padded].view((e.chunk,) + e.shape[1:])[: e.rows]
