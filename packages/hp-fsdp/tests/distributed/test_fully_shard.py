@@ -23,6 +23,7 @@ from hp_fsdp import (  # noqa: E402
 )
 
 pool4 = rank_pool_fixture(4)
+pool2 = rank_pool_fixture(2)
 
 VOCAB, SEQ, B_LOCAL = 37, 8, 2
 
@@ -46,8 +47,9 @@ def _shard(model, mesh, impl, **kw):
         torch_fully_shard(model, mesh=mesh, **kw)
 
 
-def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True,
-         offload=False):
+def _run(
+    world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True, offload=False
+):
     """Train ``steps`` AdamW steps; compare with the single-device reference every step."""
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -61,7 +63,8 @@ def _run(world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", world_shape)
+        names = ("dp",) if len(world_shape) == 1 else ("rep", "shard")
+        mesh = init_device_mesh("cpu", world_shape, mesh_dim_names=names)
     kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
     _shard(model, mesh, impl, reshard_after_forward=reshard_after_forward, **kw)
     if offload:
@@ -101,6 +104,10 @@ def test_fsdp_4_ranks_matches_single_device(pool4):
     assert len(set(map(tuple, losses))) == 1 and len(losses[0]) == 10
 
 
+def test_fsdp_2_ranks_matches_single_device(pool2):
+    pool2.run(_run, (2,), steps=10)
+
+
 def test_hsdp_2x2_matches_single_device(pool4):
     pool4.run(_run, (2, 2))
 
@@ -113,9 +120,10 @@ def test_cpu_offload_matches_single_device(pool4):
     pool4.run(_run, (4,), steps=3, offload=True)
 
 
-def test_same_losses_as_torch_fsdp2(pool4):
-    ours = pool4.run(_run, (4,), "ours", 5)[0]
-    theirs = pool4.run(_run, (4,), "torch", 5)[0]
+@pytest.mark.parametrize("world_shape", [(4,), (2, 2)])
+def test_same_losses_as_torch_fsdp2(pool4, world_shape):
+    ours = pool4.run(_run, world_shape, "ours", 5)[0]
+    theirs = pool4.run(_run, world_shape, "torch", 5)[0]
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
