@@ -150,7 +150,9 @@ def fully_shard(
     """Shard ``module``'s parameters (those not already in a group of a submodule) over ``mesh``.
 
     Apply bottom-up: blocks first, then the root. A 1-D mesh means FSDP; a 2-D mesh
-    ``(replicate, shard)`` means HSDP. Returns ``module``, now also an ``HSDPModule``.
+    ``(replicate, shard)`` means HSDP. ``shard_placement_fn(param)`` may return ``Shard(dim)``
+    to shard a parameter on another dim (None: dim 0). Returns ``module``, now also an
+    ``HSDPModule``.
     Everything is checked before any parameter moves.
 
     Example::
@@ -178,8 +180,6 @@ def fully_shard(
             f"reshard_after_forward={reshard_after_forward!r}: only True/False are supported in "
             "this version (resharding to a smaller group is not implemented yet)"
         )
-    if shard_placement_fn is not None:
-        raise FSDPError("shard_placement_fn is not supported yet: parameters shard on dim 0")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
         raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
     ignored = {id(p) for p in (ignored_params or ())}
@@ -229,8 +229,30 @@ def fully_shard(
             if shared:
                 raise FSDPError("a parameter is shared between groups: fully_shard their parent")
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    dims = {}
+    for _sub, _pname, full_name, p in entries:
+        chosen = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if chosen is None:
+            continue
+        if not isinstance(chosen, Shard) or not -p.ndim <= chosen.dim < p.ndim:
+            raise FSDPError(
+                f"shard_placement_fn returned {chosen!r} for {full_name!r} (shape "
+                f"{tuple(p.shape)}): return Shard(dim) with a dim of the parameter, or None"
+            )
+        if isinstance(p, DTensor) and chosen.dim % p.ndim:
+            raise FSDPError(
+                f"shard_placement_fn: {full_name!r} is tensor-parallel; it shards on dim 0 only"
+            )
+        dims[id(p)] = chosen.dim % p.ndim
     group = ParamGroup(
-        module, mesh, entries, placements, reshard_after_forward, mp_policy, offload_policy
+        module,
+        mesh,
+        entries,
+        placements,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        dims,
     )
     module.__class__ = _hsdp_class(type(module))
     module._hp_fsdp = group

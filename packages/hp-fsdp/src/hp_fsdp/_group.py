@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 import hp_dtensor as hp
-from hp_dtensor import DTensor
+from hp_dtensor import DTensor, Shard
 
 __all__ = ["ParamGroup"]
 
@@ -36,10 +36,15 @@ class _Entry:
         "padded",
         "rows",
         "inner",
+        "dim",
     )
 
-    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n, inner=None):
+    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n, inner=None, dim=0):
         self.module, self.name, self.fqn, self.sharded = module, name, fqn, sharded
+        #: the sharded dim; the flat-buffer arithmetic below sees it moved to the front
+        self.dim = dim
+        if dim:
+            shape = (shape[dim],) + tuple(s for i, s in enumerate(shape) if i != dim)
         self.unsharded: nn.Parameter | None = None
         #: for a parameter already sharded by tensor parallelism: (tp mesh, tp placements,
         #: global shape); ``shape`` is then this rank's tensor-parallel piece
@@ -50,13 +55,15 @@ class _Entry:
             self.rest *= s
         self.chunk = -(-self.shape[0] // n) if self.shape[0] else 0
         self.padded = self.chunk * self.rest
-        self.rows = sharded.to_local().shape[0]
+        self.rows = sharded.to_local().shape[dim]
 
 
 class ParamGroup:
     """State of one ``fully_shard`` call (see ``hp_fsdp._api``)."""
 
-    def __init__(self, module, mesh, entries, placements, reshard_after_forward, mp, offload=None):
+    def __init__(
+        self, module, mesh, entries, placements, reshard_after_forward, mp, offload=None, dims=None
+    ):
         self.index = next(_COUNTER)
         self.module = module
         self.mesh = mesh
@@ -78,12 +85,15 @@ class ParamGroup:
                 sp, inner = self._shard_tp_param(p, fqn)
                 shape = p.to_local().shape
             else:
-                dt = hp.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+                k = (dims or {}).get(id(p), 0)
+                pl = [Shard(k) if isinstance(q, Shard) else q for q in placements]
+                dt = hp.distribute_tensor(p.detach(), mesh, pl, src_data_rank=None)
                 sp, inner, shape = nn.Parameter(dt, requires_grad=p.requires_grad), None, p.shape
             if offload is not None:  # sharded parameter (and so grads, optimizer states) on CPU
                 sp = self._to_cpu(sp, offload.pin_memory)
             sub._parameters[pname] = sp
-            self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner))
+            k = (dims or {}).get(id(p), 0) if inner is None else 0
+            self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner, k))
         self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
         self.param_dtype = mp.param_dtype or self.orig_dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
@@ -167,6 +177,8 @@ class ParamGroup:
         with torch.no_grad():
             for e in self.entries:
                 loc = e.sharded.to_local()
+                if e.dim:
+                    loc = loc.movedim(e.dim, 0)
                 k = loc.numel()
                 send[off : off + k].copy_(loc.reshape(-1), non_blocking=True)
                 if k < e.padded:
@@ -193,7 +205,7 @@ class ParamGroup:
             src = recv[:, off : off + e.padded]
             off += e.padded
             if e.unsharded is None:
-                t = torch.empty(e.shape, dtype=self.param_dtype, device=dev)
+                t = torch.empty(_unmoved(e.shape, e.dim), dtype=self.param_dtype, device=dev)
                 if e.inner is not None:
                     tp_mesh, tp_pl, gshape = e.inner
                     t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
@@ -205,7 +217,9 @@ class ParamGroup:
             if t.untyped_storage().size() != nbytes:
                 t.untyped_storage().resize_(nbytes)
             with torch.no_grad(), _preserve_version(t):
-                flat = t.view(-1)
+                # the flat layout has the sharded dim first; other dims go through a buffer
+                dst = t if not e.dim else torch.empty(e.shape, dtype=t.dtype, device=t.device)
+                flat = dst.view(-1)
                 if e.shape[0] == self.n * e.chunk:  # even: one strided copy
                     flat.view(self.n, e.padded).copy_(src)
                 else:  # uneven: each rank's rows
@@ -214,6 +228,8 @@ class ParamGroup:
                         if rows:
                             k = rows * e.rest
                             flat[start * e.rest : start * e.rest + k].copy_(src[r, :k])
+                if e.dim:
+                    t.copy_(dst.movedim(0, e.dim))
         self.unsharded = True
 
     def free_unsharded(self) -> None:
@@ -332,6 +348,8 @@ class ParamGroup:
                     continue
                 if self.grad_scale != 1.0:
                     g = g * self.grad_scale
+                if e.dim:
+                    g = g.movedim(e.dim, 0)
                 flat = g.reshape(-1)
                 if e.shape[0] == self.n * e.chunk:
                     col.copy_(flat.view(self.n, e.padded))
@@ -368,14 +386,24 @@ class ParamGroup:
         for e in self.entries:
             local = out[off : off + e.padded].view((e.chunk,) + e.shape[1:])[: e.rows]
             off += e.padded
+            if e.dim:
+                local = local.movedim(0, e.dim)
             target = e.sharded.to_local()
             if target.grad is None:
-                target.grad = local.to(device=target.device, dtype=e.sharded.dtype, copy=True)
+                target.grad = torch.empty_like(target, dtype=e.sharded.dtype).copy_(local)
             else:
                 target.grad.add_(local.to(target.device))
 
 
 _TP_DP_MESHES: dict = {}
+
+
+def _unmoved(shape, dim):
+    """The parameter's own shape from the flat-buffer shape (sharded dim first)."""
+    if not dim:
+        return shape
+    rest = list(shape[1:])
+    return tuple(rest[:dim] + [shape[0]] + rest[dim:])
 
 
 def _local(t):

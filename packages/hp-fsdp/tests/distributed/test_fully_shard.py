@@ -48,7 +48,13 @@ def _shard(model, mesh, impl, **kw):
 
 
 def _run(
-    world_shape, impl="ours", steps=10, accumulate=1, reshard_after_forward=True, offload=False
+    world_shape,
+    impl="ours",
+    steps=10,
+    accumulate=1,
+    reshard_after_forward=True,
+    offload=False,
+    shard_dim1=False,
 ):
     """Train ``steps`` AdamW steps; compare with the single-device reference every step."""
     world = dist.get_world_size()
@@ -66,6 +72,17 @@ def _run(
         names = ("dp",) if len(world_shape) == 1 else ("rep", "shard")
         mesh = init_device_mesh("cpu", world_shape, mesh_dim_names=names)
     kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    if shard_dim1:  # matrices sharded on dim 1; "all" includes uneven ones (FSDP2 refuses them)
+        if impl == "ours":
+            shard_cls = hp.Shard
+        else:
+            from torch.distributed.tensor import Shard as shard_cls
+
+        def fn(p):
+            even = p.shape[-1] % world == 0
+            return shard_cls(1) if p.ndim == 2 and (even or shard_dim1 == "all") else None
+
+        kw["shard_placement_fn"] = fn
     _shard(model, mesh, impl, reshard_after_forward=reshard_after_forward, **kw)
     if offload:
         assert all(p.to_local().device.type == "cpu" for p in model.parameters())
@@ -79,7 +96,7 @@ def _run(
             ids, tgt = _batch(step * accumulate + micro, world)
             mine = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
             last = micro == accumulate - 1
-            if impl == "ours" and accumulate > 1:
+            if accumulate > 1:  # the same call on both implementations
                 model.set_requires_gradient_sync(last)
             loss = F.cross_entropy(model(ids[mine]).flatten(0, 1), tgt[mine].flatten())
             (loss / accumulate).backward()
@@ -116,14 +133,26 @@ def test_no_reshard_and_gradient_accumulation(pool4):
     pool4.run(_run, (4,), steps=4, accumulate=2, reshard_after_forward=False)
 
 
+def test_shard_on_dim1_uneven_matches_single_device(pool4):
+    pool4.run(_run, (4,), steps=5, shard_dim1="all")
+
+
 def test_cpu_offload_matches_single_device(pool4):
-    pool4.run(_run, (4,), steps=3, offload=True)
+    pool4.run(_run, (4,), steps=10, offload=True)
 
 
-@pytest.mark.parametrize("world_shape", [(4,), (2, 2)])
-def test_same_losses_as_torch_fsdp2(pool4, world_shape):
-    ours = pool4.run(_run, world_shape, "ours", 5)[0]
-    theirs = pool4.run(_run, world_shape, "torch", 5)[0]
+@pytest.mark.parametrize(
+    "world_shape,kw",
+    [
+        ((4,), {}),
+        ((2, 2), {}),
+        ((4,), {"reshard_after_forward": False, "accumulate": 2}),
+        ((4,), {"shard_dim1": "even"}),
+    ],
+)
+def test_same_losses_as_torch_fsdp2(pool4, world_shape, kw):
+    ours = pool4.run(_run, world_shape, "ours", 5, **kw)[0]
+    theirs = pool4.run(_run, world_shape, "torch", 5, **kw)[0]
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
@@ -243,7 +272,7 @@ def _state_dict(world_shape):
     return bool(torch.allclose(other(ids), ref(ids), atol=1e-6))
 
 
-def _run_tp_fsdp(steps=6):
+def _run_tp_fsdp(steps=10):
     """TP=2 inside each block x FSDP=2 over the batch, on a (dp, tp) mesh."""
     import hp_dtensor.parallel as hpp
 
