@@ -175,10 +175,17 @@ def fully_shard(
             f"mesh has {mesh.ndim} dims: give a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
             "(HSDP), e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
         )
-    if not isinstance(reshard_after_forward, bool):
+    shard_size = mesh.shape[-1]
+    if not isinstance(reshard_after_forward, bool) and (
+        not isinstance(reshard_after_forward, int)
+        or reshard_after_forward < 2
+        or reshard_after_forward >= shard_size
+        or shard_size % reshard_after_forward
+    ):
         raise FSDPError(
-            f"reshard_after_forward={reshard_after_forward!r}: only True/False are supported in "
-            "this version (resharding to a smaller group is not implemented yet)"
+            f"reshard_after_forward={reshard_after_forward!r}: give True/False, or an int k that "
+            f"divides the shard group size {shard_size} with 1 < k < {shard_size} (backward then "
+            "gathers within groups of k consecutive ranks, e.g. one node)"
         )
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
         raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")

@@ -107,6 +107,16 @@ class ParamGroup:
         self.unsharded = False
         self.swapped_in = False
         self._ag = None  # a started all-gather: (work, recv, send, total, device)
+        self._pf = None  # this rank's post-forward shard when resharding to a smaller group
+        self.raf_k = None
+        if not isinstance(reshard_after_forward, bool):
+            k = int(reshard_after_forward)
+            ranks = hp.get_process_group_ranks(mesh._groups[self.shard_dim])
+            me = mesh.get_local_rank(self.shard_dim)
+            first = (me // k) * k
+            self.raf_k, self.raf_index = k, me - first
+            self.raf_group = hp.new_group(ranks[first : first + k])
+            self.reshard_after_forward = True
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
         self._rs = None  # a started reduce-scatter: (work, out)
         self._ready = 0  # gradients accumulated in this backward
@@ -199,11 +209,18 @@ class ParamGroup:
         self._ag = None
         if work is not None:
             work.wait()
-        recv = recv.view(self.n, total)
+        self._copy_out(recv.view(self.n, total), self.n, dev)
+        self.unsharded = True
+
+    def _copy_out(self, recv, n: int, dev) -> None:
+        """Copy a gathered flat buffer ``(n, total)`` (each parameter split in ``n`` chunks on
+        its sharded dim) into the unsharded parameters."""
         off = 0
         for e in self.entries:
-            src = recv[:, off : off + e.padded]
-            off += e.padded
+            chunk = -(-e.shape[0] // n) if e.shape[0] else 0
+            padded = chunk * e.rest
+            src = recv[:, off : off + padded]
+            off += padded
             if e.unsharded is None:
                 t = torch.empty(_unmoved(e.shape, e.dim), dtype=self.param_dtype, device=dev)
                 if e.inner is not None:
@@ -220,16 +237,42 @@ class ParamGroup:
                 # the flat layout has the sharded dim first; other dims go through a buffer
                 dst = t if not e.dim else torch.empty(e.shape, dtype=t.dtype, device=t.device)
                 flat = dst.view(-1)
-                if e.shape[0] == self.n * e.chunk:  # even: one strided copy
-                    flat.view(self.n, e.padded).copy_(src)
+                if e.shape[0] == n * chunk:  # even: one strided copy
+                    flat.view(n, padded).copy_(src)
                 else:  # uneven: each rank's rows
-                    for r in range(self.n):
-                        rows, start = hp.chunk_size_and_offset(e.shape[0], self.n, r)
+                    for r in range(n):
+                        rows, start = hp.chunk_size_and_offset(e.shape[0], n, r)
                         if rows:
                             k = rows * e.rest
                             flat[start * e.rest : start * e.rest + k].copy_(src[r, :k])
                 if e.dim:
                     t.copy_(dst.movedim(0, e.dim))
+
+    # -- resharding to a smaller group after forward ------------------------------------
+    def _keep_post_forward_shard(self) -> None:
+        """``reshard_after_forward=k``: keep this rank's 1/k of every parameter (split within
+        its sub-group of k consecutive ranks) and free the rest; backward gathers inside the
+        sub-group (e.g. within a node) instead of the whole shard group."""
+        k, j = self.raf_k, self.raf_index
+        pieces = []
+        for e in self.entries:
+            t = _local(e.unsharded).detach()
+            if e.dim:
+                t = t.movedim(e.dim, 0)
+            chunk = -(-e.shape[0] // k) if e.shape[0] else 0
+            rows, start = hp.chunk_size_and_offset(e.shape[0], k, j)
+            piece = t.narrow(0, start, rows).reshape(-1)
+            if rows < chunk:
+                piece = torch.cat([piece, piece.new_zeros((chunk - rows) * e.rest)])
+            pieces.append(piece)
+        self._pf = torch.cat(pieces) if pieces else None
+        self.free_unsharded()
+
+    def _unshard_from_post_forward(self) -> None:
+        send, self._pf = self._pf, None
+        recv = torch.empty(self.raf_k * send.numel(), dtype=send.dtype, device=send.device)
+        self.platform.all_gather_into(recv, send, self.raf_group)
+        self._copy_out(recv.view(self.raf_k, send.numel()), self.raf_k, send.device)
         self.unsharded = True
 
     def free_unsharded(self) -> None:
@@ -283,7 +326,9 @@ class ParamGroup:
 
     def _post_forward(self, module, args, out):
         self.swap_out()
-        if self.reshard_after_forward:
+        if self.raf_k is not None and torch.is_grad_enabled():
+            self._keep_post_forward_shard()
+        elif self.reshard_after_forward:
             self.free_unsharded()
         if torch.is_grad_enabled():
             tensors = [t for t in _flatten(out) if t.requires_grad]
@@ -296,6 +341,8 @@ class ParamGroup:
         return out
 
     def _pre_backward(self, grad):
+        if self._pf is not None:
+            self._unshard_from_post_forward()
         self.unshard()
         prefetch = self.backward_prefetch
         if not prefetch and self in _FORWARD_ORDER:

@@ -130,7 +130,11 @@ def test_hsdp_2x2_matches_single_device(pool4):
 
 
 def test_no_reshard_and_gradient_accumulation(pool4):
-    pool4.run(_run, (4,), steps=4, accumulate=2, reshard_after_forward=False)
+    pool4.run(_run, (4,), steps=10, accumulate=2, reshard_after_forward=False)
+
+
+def test_reshard_to_a_smaller_group_after_forward(pool4):
+    pool4.run(_run, (4,), steps=5, reshard_after_forward=2, shard_dim1="all")
 
 
 def test_shard_on_dim1_uneven_matches_single_device(pool4):
@@ -148,6 +152,7 @@ def test_cpu_offload_matches_single_device(pool4):
         ((2, 2), {}),
         ((4,), {"reshard_after_forward": False, "accumulate": 2}),
         ((4,), {"shard_dim1": "even"}),
+        ((4,), {"reshard_after_forward": 2}),
     ],
 )
 def test_same_losses_as_torch_fsdp2(pool4, world_shape, kw):

@@ -21,8 +21,8 @@ def test_bad_arguments_fail_before_any_communication():
     fake3d = types.SimpleNamespace(ndim=3)
     with pytest.raises(FSDPError, match="3 dims"):
         fully_shard(nn.Linear(2, 2), mesh=fake3d)
-    fake1d = types.SimpleNamespace(ndim=1)
-    with pytest.raises(FSDPError, match="reshard_after_forward=2"):
-        fully_shard(nn.Linear(2, 2), mesh=fake1d, reshard_after_forward=2)
+    fake1d = types.SimpleNamespace(ndim=1, shape=(4,))
+    with pytest.raises(FSDPError, match="reshard_after_forward=3"):
+        fully_shard(nn.Linear(2, 2), mesh=fake1d, reshard_after_forward=3)
     with pytest.raises(FSDPError, match="offload_policy"):
         fully_shard(nn.Linear(2, 2), mesh=fake1d, offload_policy="cpu")
