@@ -16,6 +16,7 @@ __all__ = ["ParamGroup"]
 _COUNTER = itertools.count()
 _PENDING: list = []  # groups whose backward started; reduced at the end of backward
 _FORWARD_ORDER: list = []  # groups in the order their forward ran (for backward prefetch)
+_LAUNCHED: list = []  # groups whose reduce-scatter started in this backward, in order
 
 
 def _preserve_version(t: torch.Tensor):
@@ -118,7 +119,8 @@ class ParamGroup:
             self.raf_group = hp.new_group(ranks[first : first + k])
             self.reshard_after_forward = True
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
-        self._rs = None  # a started reduce-scatter: (work, out)
+        self._rs = None  # a started reduce-scatter: (work, out, send)
+        self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
         self._ready = 0  # gradients accumulated in this backward
 
     @staticmethod
@@ -410,19 +412,41 @@ class ParamGroup:
                 _local(e.unsharded).grad = None  # copied into the send buffer: free it
         send = send.view(-1)
         out = torch.empty(total, dtype=self.reduce_dtype, device=dev)
+        # HSDP: the all-reduce of the previous group starts now, overlapping this reduce-scatter
+        for g in _LAUNCHED:
+            g._launch_allreduce()
         work = self.platform.reduce_scatter_into(
             out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
         )
         self._rs = (work, out, send)
+        self._ar = None
+        _LAUNCHED.append(self)
+
+    def _launch_allreduce(self) -> None:
+        """After this group's reduce-scatter: all-reduce across replicas (HSDP), async."""
+        if self._rs is None or self._ar is not None:
+            return
+        work, out, _send = self._rs
+        if work is not None:
+            work.wait()  # on NCCL a stream dependency, not a host wait
+        self._rs = (None, out, _send)
+        if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
+            self._ar = (
+                self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim], async_op=True)
+                or True
+            )
+        else:
+            self._ar = True
 
     def _finish_reduce(self) -> None:
-        work, out, _send = self._rs
+        self._launch_allreduce()
+        _work, out, _send = self._rs
         self._rs = None
-        if work is not None:
-            work.wait()
+        if self._ar is not True and self._ar is not None:
+            self._ar.wait()
+        self._ar = None
         divide = self.n
-        if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
-            self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim])
+        if self.rep_dim is not None:
             divide *= self.mesh.shape[self.rep_dim]
         out.div_(divide)
         if self.offload is not None and out.device.type != "cpu":
@@ -480,11 +504,14 @@ def _tp_dp_grid(tp_mesh, dp_mesh) -> list[list[int]]:
 
 
 def _end_of_backward() -> None:
-    # reductions already started keep their order; the rest start in a fixed order
-    groups = sorted(_PENDING, key=lambda g: (g._rs is None, -g.index))
+    # started reductions finish in launch order; the rest start in a fixed order: both are the
+    # same on every rank, as collectives require
+    started = [g for g in _LAUNCHED if g in _PENDING]
+    rest = sorted((g for g in _PENDING if g not in started), key=lambda g: -g.index)
     _PENDING.clear()
     _FORWARD_ORDER.clear()
-    for g in groups:
+    _LAUNCHED.clear()
+    for g in started + rest:
         g.post_backward()
 
 
