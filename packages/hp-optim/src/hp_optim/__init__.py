@@ -1,0 +1,19 @@
+"""hp_optim: optimizers, LR schedules and gradient clipping for sharded (DTensor) parameters."""
+
+from ._clip import OptimError, clip_grad_norm_
+from ._optim import AdamW, ChainedOptimizer, get_hyper_optimizer
+from ._schedule import HyperLRScheduler, LRScheduleConfig, get_hyper_lr_scheduler, lr_factor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW",
+    "ChainedOptimizer",
+    "HyperLRScheduler",
+    "LRScheduleConfig",
+    "OptimError",
+    "clip_grad_norm_",
+    "get_hyper_lr_scheduler",
+    "get_hyper_optimizer",
+    "lr_factor",
+]

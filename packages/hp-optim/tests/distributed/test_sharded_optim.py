@@ -1,0 +1,119 @@
+"""AdamW and clip_grad_norm_ on FSDP-, TP- and FSDP x TP-sharded models (4 ranks) against one
+process."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hp_dtensor as hp
+import hp_dtensor.parallel as hpp
+from hp_fsdp import fully_shard
+from hp_optim import AdamW, clip_grad_norm_
+from hp_testing.pytest_plugin import rank_pool_fixture
+
+pool = rank_pool_fixture(4)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.fc1 = nn.Linear(8, 12)
+        self.fc2 = nn.Linear(12, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.fc2(F.gelu(self.fc1(self.emb(ids)))))
+
+
+def _setup(mode):
+    torch.manual_seed(0)
+    ref, model = MLP(), MLP()
+    model.load_state_dict(ref.state_dict())
+    dp_rank, dp = dist.get_rank(), 4
+    if mode == "fsdp":
+        fully_shard(model, mesh=hp.init_device_mesh("cpu", (4,)))
+    elif mode == "tp":
+        mesh = hp.init_device_mesh("cpu", (4,))
+        plan = {"fc1": hpp.ColwiseParallel(), "fc2": hpp.RowwiseParallel(use_local_output=False)}
+        hpp.parallelize_module(model, mesh, plan)
+        hp.distribute_module(  # the rest replicated over tp; ids enter as replicated
+            model.emb,
+            mesh,
+            input_fn=lambda mod, inputs, m: tuple(
+                hp.DTensor.from_local(i, m, [hp.Replicate()]) for i in inputs
+            ),
+        )
+        hp.distribute_module(model.head, mesh)
+        dp_rank, dp = 0, 1
+    else:
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        hpp.parallelize_module(
+            model, mesh["tp"], {"fc1": hpp.ColwiseParallel(), "fc2": hpp.RowwiseParallel()}
+        )
+        fully_shard(model, mesh=mesh["dp"])
+        dp_rank, dp = mesh.get_local_rank("dp"), 2
+    return ref, model, dp_rank, dp
+
+
+def _loss(model, ids):
+    out = model(ids)
+    if isinstance(out, hp.DTensor):
+        out = out.full_tensor()
+    return F.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+
+def _train(mode, max_norm):
+    ref, model, dp_rank, dp = _setup(mode)
+    opt, ref_opt = AdamW(model.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    norms = []
+    for step in range(10):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 11, (2 * dp, 5), generator=g)
+        mine = ids[dp_rank * 2 : (dp_rank + 1) * 2]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(model, mine).backward()
+        _loss(ref, ids).backward()
+        n = clip_grad_norm_(model.parameters(), max_norm)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        torch.testing.assert_close(n, rn, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.grad.full_tensor(),
+                q.grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"{mode} grad {name} step {step}",
+            )
+        opt.step()
+        ref_opt.step()
+        norms.append(n.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(
+            p.detach().full_tensor(), q.detach(), rtol=1e-5, atol=1e-5, msg=f"{mode} param {name}"
+        )
+    return norms
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp", "fsdp_tp"])
+def test_adamw_and_clipping_match_single_device(pool, mode):
+    res = pool.run(_train, mode, 0.3)  # 0.3: clipping is active on most steps
+    assert all(r == res[0] for r in res) and any(n > 0.3 for n in res[0])
+
+
+def _inf_norm(mode):
+    ref, model, dp_rank, dp = _setup(mode)
+    ids = torch.randint(0, 11, (2 * dp, 5), generator=torch.Generator().manual_seed(0))
+    _loss(model, ids[dp_rank * 2 : (dp_rank + 1) * 2]).backward()
+    _loss(ref, ids).backward()
+    n = clip_grad_norm_(model.parameters(), 1e-3, norm_type=float("inf"))
+    rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=float("inf"))
+    return abs(n.item() - rn.item()) <= 1e-6 * max(1.0, rn.item())
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp_tp"])
+def test_inf_norm(pool, mode):
+    assert pool.run(_inf_norm, mode) == [True] * 4
