@@ -117,3 +117,66 @@ def _inf_norm(mode):
 @pytest.mark.parametrize("mode", ["fsdp", "fsdp_tp"])
 def test_inf_norm(pool, mode):
     assert pool.run(_inf_norm, mode) == [True] * 4
+
+
+def _split(model):
+    hidden = [model.fc1.weight, model.fc2.weight]
+    ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+def _train_muon(mode):
+    from hp_optim import ChainedOptimizer, Muon
+
+    ref, model, dp_rank, dp = _setup(mode)
+    h, rest = _split(model)
+    rh, rrest = _split(ref)
+    opt = ChainedOptimizer([Muon(h, lr=0.02, weight_decay=0.01), AdamW(rest, lr=0.01)])
+    ref_opt = ChainedOptimizer([Muon(rh, lr=0.02, weight_decay=0.01), AdamW(rrest, lr=0.01)])
+    for step in range(10):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 11, (2 * dp, 5), generator=g)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(model, ids[dp_rank * 2 : (dp_rank + 1) * 2]).backward()
+        _loss(ref, ids).backward()
+        opt.step()
+        ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.detach().full_tensor(),
+                q.detach(),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"{mode} {name} step {step}",
+            )
+    return True
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp", "fsdp_tp"])
+def test_muon_chained_with_adamw_matches_single_device(pool, mode):
+    assert pool.run(_train_muon, mode) == [True] * 4
+
+
+def _naive_equals_distributed():
+    from hp_optim import orthogonalize
+
+    mesh = hp.init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(0)
+    mats = [
+        torch.randn(7, 5, generator=g),
+        torch.randn(4, 9, generator=g),
+        torch.randn(6, 6, generator=g),
+    ]
+    pls = [[hp.Shard(0), hp.Shard(1)], [hp.Shard(1), hp.Replicate()], [hp.Shard(0), hp.Shard(0)]]
+    dts = [hp.distribute_tensor(m, mesh, p) for m, p in zip(mats, pls)]
+    # a mesh whose rank order is not the group's (a (tp, dp) view of a (dp, tp) mesh)
+    swapped = hp.DeviceMesh("cpu", [[0, 2], [1, 3]])
+    dts += [hp.distribute_tensor(m, swapped, p) for m, p in zip(mats, pls)]
+    a = orthogonalize(dts)
+    b = orthogonalize(dts, naive=True)
+    return all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+
+
+def test_owner_orthogonalize_equals_gathering_everything(pool):
+    assert pool.run(_naive_equals_distributed) == [True] * 4

@@ -100,3 +100,15 @@ def test_clip_plain_tensors_like_torch(norm_type):
     torch.testing.assert_close(a, b)
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_muon_rejects_non_matrices_and_orthogonalizes():
+    from hp_optim import Muon, zeropower_via_newtonschulz5
+
+    with pytest.raises(OptimError, match="1-D parameter"):
+        Muon([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(OptimError, match="adjust_lr"):
+        Muon([torch.nn.Parameter(torch.ones(3, 3))], adjust_lr="huge")
+    x = zeropower_via_newtonschulz5(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+    s = torch.linalg.svdvals(x)
+    assert x.shape == (8, 4) and bool(((s > 0.5) & (s < 1.5)).all())
