@@ -97,43 +97,64 @@ class ChainedOptimizer:
             opt.load_state_dict(st)
 
 
+_HYPER = ("lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps", "adjust_lr")
+_ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr")
+
+
 def get_hyper_optimizer(model: torch.nn.Module, config: dict):
     """Build an optimizer from rules, e.g.::
 
-        {"lr": 3e-4, "weight_decay": 0.1,
-         "groups": [{"match": ["*.norm*.weight", "*.bias"], "weight_decay": 0.0},
-                    {"match": ["tok.*"], "lr": 1e-3}]}
+        {"optimizer": "muon", "lr": 0.02, "weight_decay": 0.1,
+         "groups": [{"match": ["tok.*", "out.*"], "optimizer": "adamw", "lr": 3e-4},
+                    {"ndim": 1, "optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.0}]}
 
-    Parameters go to the first group whose fnmatch patterns (or ``"ndim"``) match; the rest use
-    the defaults. Groups may set ``lr``, ``weight_decay``, ``betas``, ``eps``. Returns an
-    ``AdamW`` (a ``ChainedOptimizer`` when several optimizer types are asked for in a later
-    version). Unknown keys raise ``OptimError``.
+    Each parameter goes to the first group whose fnmatch patterns (``"match"``) or ``"ndim"``
+    match it, else to the defaults. A group may set ``optimizer`` ("adamw" or "muon") and the
+    hyper-parameters ``lr``, ``weight_decay``, ``betas``, ``eps`` (AdamW) or ``momentum``,
+    ``nesterov``, ``ns_steps``, ``adjust_lr`` (Muon). Returns an ``AdamW``, a ``Muon``, or a
+    ``ChainedOptimizer`` of both. Unknown keys raise ``OptimError``; Muon raises for a
+    parameter that is not 2-D (route it to an AdamW group).
     """
-    known = {"lr", "weight_decay", "betas", "eps", "groups", "optimizer"}
+    from ._muon import Muon
+
+    known = set(_HYPER) | {"groups", "optimizer"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise OptimError(f"optimizer config has unknown keys {unknown}: use {sorted(known)}")
-    kind = config.get("optimizer", "adamw")
-    if kind != "adamw":
-        raise OptimError(f"optimizer={kind!r}: this version builds 'adamw' only")
-    defaults = {k: config[k] for k in ("lr", "weight_decay", "betas", "eps") if k in config}
+    default_kind = config.get("optimizer", "adamw")
     rules = list(config.get("groups", []))
+    for i, rule in enumerate(rules):
+        bad = sorted(set(rule) - (set(_HYPER) | {"match", "ndim", "optimizer"}))
+        if bad:
+            raise OptimError(f"config['groups'][{i}] has unknown keys {bad}")
+    for kind in [default_kind] + [r.get("optimizer", default_kind) for r in rules]:
+        if kind not in ("adamw", "muon"):
+            raise OptimError(f"optimizer={kind!r}: use 'adamw' or 'muon'")
     buckets: list[list] = [[] for _ in rules] + [[]]
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         for i, rule in enumerate(rules):
-            pats = rule.get("match", [])
-            by_name = any(fnmatch.fnmatchcase(name, pat) for pat in pats)
+            by_name = any(fnmatch.fnmatchcase(name, pat) for pat in rule.get("match", []))
             by_ndim = "ndim" in rule and p.ndim == rule["ndim"]
             if by_name or by_ndim:
                 buckets[i].append(p)
                 break
         else:
             buckets[-1].append(p)
-    groups = []
+    groups: dict[str, list] = {"adamw": [], "muon": []}
     for rule, params in zip(rules + [{}], buckets):
         if params:
-            extra = {k: v for k, v in rule.items() if k in ("lr", "weight_decay", "betas", "eps")}
-            groups.append({"params": params, **extra})
-    return AdamW(groups, **defaults)
+            kind = rule.get("optimizer", default_kind)
+            keys = _ADAMW_KEYS if kind == "adamw" else _MUON_KEYS
+            extra = {k: v for k, v in {**config, **rule}.items() if k in keys}
+            groups[kind].append({"params": params, **extra})
+    opts = []
+    if groups["muon"]:
+        opts.append(Muon(groups["muon"]))
+    if groups["adamw"]:
+        opts.append(AdamW(groups["adamw"]))
+    if not opts:
+        raise OptimError("the model has no trainable parameters")
+    return opts[0] if len(opts) == 1 else ChainedOptimizer(opts)

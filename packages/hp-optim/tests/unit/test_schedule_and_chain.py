@@ -112,3 +112,33 @@ def test_muon_rejects_non_matrices_and_orthogonalizes():
     x = zeropower_via_newtonschulz5(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
     s = torch.linalg.svdvals(x)
     assert x.shape == (8, 4) and bool(((s > 0.5) & (s < 1.5)).all())
+
+
+def test_factory_builds_muon_and_adamw_chain():
+    from hp_optim import Muon
+
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(5, 4),
+        torch.nn.Linear(4, 4),
+        torch.nn.LayerNorm(4),
+        torch.nn.Linear(4, 5),
+    )
+    cfg = {
+        "optimizer": "muon",
+        "lr": 0.02,
+        "groups": [
+            {"match": ["0.*", "3.*"], "optimizer": "adamw", "lr": 1e-3},
+            {"ndim": 1, "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+        ],
+    }
+    opt = get_hyper_optimizer(model, cfg)
+    assert isinstance(opt, ChainedOptimizer) and isinstance(opt.optimizers[0], Muon)
+    muon_params = opt.optimizers[0].param_groups[0]["params"]
+    assert [tuple(p.shape) for p in muon_params] == [(4, 4)]
+    with pytest.raises(OptimError, match="1-D parameter"):
+        get_hyper_optimizer(
+            model,
+            {"optimizer": "muon", "groups": [{"match": ["0.*", "3.*"], "optimizer": "adamw"}]},
+        )
+    with pytest.raises(OptimError, match="unknown keys"):
+        get_hyper_optimizer(model, {"groups": [{"match": ["*"], "learning_rate": 1}]})
