@@ -953,6 +953,17 @@ def _set_path(root, path, v):
     root[path[0]] = child if not isinstance(root[path[0]], tuple) else tuple(child)
 
 
+_DEVICE_TYPES = frozenset({"cpu", "cuda", "npu", "meta", "mps", "xpu"})
+
+
+def _meta_device(a):
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    if isinstance(a, str) and a.split(":")[0] in _DEVICE_TYPES:
+        return "meta"
+    return a
+
+
 def _meta_like(d: DTensor):
     return torch.empty(d._spec.shape, dtype=d._spec.dtype, device="meta")
 
@@ -984,9 +995,15 @@ def _plan_from_strategy(op: _Op, func, args, kwargs, paths, dts, strategy, mesh)
     # output shapes from a run on shapes only
     metas = [_meta_like(d) for d in dts]
     margs, mkwargs = _replace(args, kwargs, paths, metas)
+    # device moves (x.to("cpu"), x.to(device=...), x.cuda()) stay on the meta device
+    margs = [_meta_device(a) for a in margs]
+    mkwargs = {k: _meta_device(v) for k, v in mkwargs.items()}
     try:
         with torch.no_grad():
-            mout = func(*margs, **mkwargs)
+            if op.name in ("cpu", "cuda", "npu"):
+                mout = torch.empty_like(metas[0])
+            else:
+                mout = func(*margs, **mkwargs)
     except Exception:  # an op without a meta kernel: compute it the slow, safe way
         return _Fallback(op, paths, dts, op.inplace)
     out_pl = strategy.output

@@ -234,3 +234,17 @@ def test_second_review_findings(pool):
         warnings.simplefilter("ignore")
         for res in pool.run(_second_review):
             assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+def _device_moves():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    x = hp.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    outs = [x.to("cpu"), x.to(device=torch.device("cpu"), dtype=torch.float64), x.cpu()]
+    return [(str(o.placements[0]), tuple(o.to_local().shape)) for o in outs]
+
+
+def test_device_moves_keep_placements(pool):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        res = pool.run(_device_moves)
+    assert res[0] == [("S(0)", (2, 2))] * 3

@@ -14,6 +14,7 @@ from hp_optim import AdamW, clip_grad_norm_
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(4)
+pool2 = rank_pool_fixture(2)
 
 
 class MLP(nn.Module):
@@ -32,9 +33,9 @@ def _setup(mode):
     torch.manual_seed(0)
     ref, model = MLP(), MLP()
     model.load_state_dict(ref.state_dict())
-    dp_rank, dp = dist.get_rank(), 4
+    dp_rank, dp = dist.get_rank(), dist.get_world_size()
     if mode == "fsdp":
-        fully_shard(model, mesh=hp.init_device_mesh("cpu", (4,)))
+        fully_shard(model, mesh=hp.init_device_mesh("cpu", (dp,)))
     elif mode == "tp":
         mesh = hp.init_device_mesh("cpu", (4,))
         plan = {"fc1": hpp.ColwiseParallel(), "fc2": hpp.RowwiseParallel(use_local_output=False)}
@@ -180,3 +181,44 @@ def _naive_equals_distributed():
 
 def test_owner_orthogonalize_equals_gathering_everything(pool):
     assert pool.run(_naive_equals_distributed) == [True] * 4
+
+
+def test_two_ranks(pool2):
+    pool2.run(_train, "fsdp", 0.3)
+    assert pool2.run(_train_muon, "fsdp") == [True] * 2
+
+
+def _state_round_trip():
+    """Optimizer state is DTensors; saving and loading it mid-run changes nothing."""
+    from hp_optim import ChainedOptimizer, Muon
+
+    results = []
+    for interrupt in (False, True):
+        ref, model, dp_rank, dp = _setup("fsdp")
+        h, rest = _split(model)
+
+        def make(h=h, rest=rest):
+            return ChainedOptimizer([Muon(h, lr=0.02), AdamW(rest, lr=0.01)])
+
+        opt = make()
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 11, (2 * dp, 5), generator=g)
+            opt.zero_grad()
+            _loss(model, ids[dp_rank * 2 : (dp_rank + 1) * 2]).backward()
+            opt.step()
+            if interrupt and step == 1:
+                sd = opt.state_dict()
+                assert any(
+                    isinstance(v, hp.DTensor)
+                    for st in sd["optimizers"][1]["state"].values()
+                    for v in st.values()
+                )
+                opt = make()
+                opt.load_state_dict(sd)
+        results.append([p.detach().full_tensor() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_sharded_state_dict_round_trip(pool):
+    assert pool.run(_state_round_trip) == [True] * 4
