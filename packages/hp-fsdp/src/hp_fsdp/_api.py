@@ -20,7 +20,7 @@ import torch.nn as nn
 import hp_dtensor as hp
 from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
 
-from ._group import ParamGroup
+from ._group import ParamGroup, _tp_dp_grid
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -88,6 +88,7 @@ class HSDPModule:
         """Free unsharded parameters after forward (gather again in backward) or keep them."""
         for g in _groups(self, recurse):
             g.reshard_after_forward = bool(reshard_after_forward)
+            g.raf_k = None  # a later True means the whole group, not the smaller one
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Free unsharded parameters after backward (default) or keep them for the next step."""
@@ -107,7 +108,8 @@ class HSDPModule:
         self._hp_fsdp.backward_prefetch = [_group_of(m, "modules") for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Mark the coming backward as the last of the step (waits for pending reductions)."""
+        """Accepted for FSDP2 compatibility. Every backward here finishes its reductions before
+        it returns, so there is nothing to defer; the flag changes no result."""
         for g in _groups(self, True):
             g.is_last_backward = bool(is_last_backward)
 
@@ -191,11 +193,14 @@ def fully_shard(
         raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
     ignored = {id(p) for p in (ignored_params or ())}
     owned: dict[int, nn.Module] = {}
+    replaced: dict[int, nn.Module] = {}  # tensors a submodule's group sharded (and replaced)
     for sub in module.modules():
         if sub is not module and isinstance(sub, HSDPModule):
             owned.update((id(p), sub) for p in sub._hp_fsdp.sharded_params())
+            replaced.update((i, sub) for i in sub._hp_fsdp.orig_ids)
     entries = []
     seen: dict[int, str] = {}
+    aliases: dict[int, list] = {}
     devices = set()
     for mod_name, sub in module.named_modules():
         for pname, p in sub.named_parameters(recurse=False):
@@ -211,17 +216,31 @@ def fully_shard(
                         "groups): fully_shard the common parent only, or untie the parameter"
                     )
                 continue
-            if id(p) in seen:
+            if id(p) in replaced:
                 raise FSDPError(
-                    f"parameter {full_name!r} is the same tensor as {seen[id(p)]!r}: shared "
-                    "parameters must live in one group; fully_shard their common parent instead"
+                    f"parameter {full_name!r} was tied to a parameter that the group of a "
+                    f"submodule ({type(replaced[id(p)]).__name__}) has already sharded: tied "
+                    "parameters must live in one group; fully_shard their common parent only"
                 )
-            if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or mesh.ndim != 1):
+            if id(p) in seen:  # tied inside this group: one entry, several places
+                aliases.setdefault(id(p), []).append((sub, pname))
+                continue
+            if p.ndim == 0:
                 raise FSDPError(
-                    f"parameter {full_name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh: "
-                    "fully_shard composes with tensor parallelism on a 1-D tp mesh and a 1-D dp "
-                    "mesh (mesh['tp'], mesh['dp'])"
+                    f"parameter {full_name!r} is 0-d and cannot be sharded: keep it out with "
+                    "ignored_params or make it 1-d"
                 )
+            if isinstance(p, DTensor):
+                if p.device_mesh.ndim != 1 or mesh.ndim != 1:
+                    raise FSDPError(
+                        f"parameter {full_name!r} is a DTensor on a {p.device_mesh.ndim}-D "
+                        "mesh: fully_shard composes with tensor parallelism on a 1-D tp mesh "
+                        "and a 1-D dp mesh (mesh['tp'], mesh['dp'])"
+                    )
+                try:
+                    _tp_dp_grid(p.device_mesh, mesh)
+                except ValueError as e:
+                    raise FSDPError(f"parameter {full_name!r}: {e}") from None
             seen[id(p)] = full_name
             devices.add(p.device.type)
             entries.append((sub, pname, full_name, p))
@@ -260,6 +279,7 @@ def fully_shard(
         mp_policy,
         offload_policy,
         dims,
+        aliases,
     )
     module.__class__ = _hsdp_class(type(module))
     module._hp_fsdp = group

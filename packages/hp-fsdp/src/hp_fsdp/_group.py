@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -38,10 +39,15 @@ class _Entry:
         "rows",
         "inner",
         "dim",
+        "places",
     )
 
-    def __init__(self, module, name, fqn, sharded: nn.Parameter, shape, n, inner=None, dim=0):
+    def __init__(
+        self, module, name, fqn, sharded: nn.Parameter, shape, n, inner=None, dim=0, aliases=()
+    ):
         self.module, self.name, self.fqn, self.sharded = module, name, fqn, sharded
+        #: every (module, attribute) holding this parameter (tied weights share one entry)
+        self.places = [(module, name)] + list(aliases)
         #: the sharded dim; the flat-buffer arithmetic below sees it moved to the front
         self.dim = dim
         if dim:
@@ -63,7 +69,16 @@ class ParamGroup:
     """State of one ``fully_shard`` call (see ``hp_fsdp._api``)."""
 
     def __init__(
-        self, module, mesh, entries, placements, reshard_after_forward, mp, offload=None, dims=None
+        self,
+        module,
+        mesh,
+        entries,
+        placements,
+        reshard_after_forward,
+        mp,
+        offload=None,
+        dims=None,
+        aliases=None,
     ):
         self.index = next(_COUNTER)
         self.module = module
@@ -76,12 +91,8 @@ class ParamGroup:
         self.mp = mp
         self.platform = hp.get_platform(mesh.device_type)
         self.entries: list[_Entry] = []
+        self.orig_ids = {id(p) for _s, _n, _f, p in entries}  # the tensors this group replaced
         for sub, pname, fqn, p in entries:
-            if p.ndim == 0:
-                raise ValueError(
-                    f"parameter {fqn!r} is 0-d and cannot be sharded on dim 0: keep it out "
-                    "with ignored_params or make it 1-d"
-                )
             if isinstance(p, DTensor):  # tensor parallel inside: shard its local piece further
                 sp, inner = self._shard_tp_param(p, fqn)
                 shape = p.to_local().shape
@@ -92,9 +103,11 @@ class ParamGroup:
                 sp, inner, shape = nn.Parameter(dt, requires_grad=p.requires_grad), None, p.shape
             if offload is not None:  # sharded parameter (and so grads, optimizer states) on CPU
                 sp = self._to_cpu(sp, offload.pin_memory)
-            sub._parameters[pname] = sp
+            more = (aliases or {}).get(id(p), [])
+            for m, nm in [(sub, pname)] + more:
+                m._parameters[nm] = sp
             k = (dims or {}).get(id(p), 0) if inner is None else 0
-            self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner, k))
+            self.entries.append(_Entry(sub, pname, fqn, sp, shape, self.n, inner, k, more))
         self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
         self.param_dtype = mp.param_dtype or self.orig_dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
@@ -119,9 +132,11 @@ class ParamGroup:
             self.raf_group = hp.new_group(ranks[first : first + k])
             self.reshard_after_forward = True
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
-        self._rs = None  # a started reduce-scatter: (work, out, send)
+        self._rs = None  # a started reduce-scatter: (work, out, send, has-grad mask)
         self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
-        self._ready = 0  # gradients accumulated in this backward
+        self._fwd_calls = 0  # forward calls (with grad) since the last backward
+        self._left = 0  # of those, module backwards not yet finished in this backward
+        _ALIVE.add(self)
 
     @staticmethod
     def _to_cpu(sp: nn.Parameter, pin: bool) -> nn.Parameter:
@@ -163,10 +178,22 @@ class ParamGroup:
 
     def refresh_params(self) -> None:
         """Pick up parameters replaced in the module (``load_state_dict(assign=True)``)."""
+        self.discard_prefetch()
         for e in self.entries:
             e.sharded = e.module._parameters[e.name]
+            for m, nm in e.places[1:]:
+                m._parameters[nm] = e.sharded
             e.unsharded = None
         self.unsharded = False
+
+    def discard_prefetch(self) -> None:
+        """Drop an all-gather started for a backward or forward that did not use it (its values
+        would be stale after the optimizer step)."""
+        if self._ag is not None:
+            work = self._ag[0]
+            self._ag = None
+            if work is not None:
+                work.wait()
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -174,6 +201,9 @@ class ParamGroup:
         copy-out). With ``async_op`` the collective is only started; ``wait_unshard`` (called
         by the next forward/backward of the group) finishes it: that is how prefetching
         overlaps the next group's all-gather with this group's compute."""
+        if self._pf is not None and not self.unsharded:  # resharded to a smaller group
+            self._unshard_from_post_forward()
+            return
         if self.unsharded or self._ag is not None or not self.entries:
             if not async_op:
                 self.wait_unshard()
@@ -229,8 +259,8 @@ class ParamGroup:
                     tp_mesh, tp_pl, gshape = e.inner
                     t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
                 e.unsharded = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
-                if e.unsharded.requires_grad:
-                    _local(e.unsharded).register_post_accumulate_grad_hook(self._grad_ready)
+            elif e.unsharded.requires_grad != e.sharded.requires_grad:  # (un)frozen since
+                e.unsharded.requires_grad_(e.sharded.requires_grad)
             t = _local(e.unsharded)
             nbytes = t.numel() * t.element_size()
             if t.untyped_storage().size() != nbytes:
@@ -286,17 +316,21 @@ class ParamGroup:
 
     def swap_in(self) -> None:
         for e in self.entries:
-            e.module._parameters[e.name] = e.unsharded
+            for m, nm in e.places:
+                m._parameters[nm] = e.unsharded
         self.swapped_in = True
 
     def swap_out(self) -> None:
         for e in self.entries:
-            e.module._parameters[e.name] = e.sharded
+            for m, nm in e.places:
+                m._parameters[nm] = e.sharded
         self.swapped_in = False
 
     def reshard(self) -> None:
         if self.swapped_in:
             self.swap_out()
+        self.discard_prefetch()
+        self._pf = None
         self.free_unsharded()
 
     # -- hooks -------------------------------------------------------------------------------
@@ -304,26 +338,28 @@ class ParamGroup:
         self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self.module.register_forward_hook(self._post_forward)
 
-    def _cast_inputs(self, x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
-            return x.to(self.param_dtype)
-        if isinstance(x, (list, tuple)):
-            return type(x)(self._cast_inputs(y) for y in x)
-        if isinstance(x, dict):
-            return {k: self._cast_inputs(v) for k, v in x.items()}
-        return x
-
     def _pre_forward(self, module, args, kwargs):
         self.unshard()
         self.swap_in()
         for g in self.forward_prefetch:
             g.unshard(async_op=True)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _tree_map_tensors(
+                lambda t: (
+                    t.to(self.param_dtype)
+                    if t.is_floating_point() and t.dtype != self.param_dtype
+                    else t
+                ),
+                (args, kwargs),
+            )
         if torch.is_grad_enabled():
             if self in _FORWARD_ORDER:  # a new forward pass (no backward in between)
                 _FORWARD_ORDER.clear()
             _FORWARD_ORDER.append(self)
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+            self._fwd_calls += 1
+            # when gradients reach this call's inputs, the module's backward is done (the
+            # parameters' gradient accumulation runs first): the same moment on every rank
+            args, kwargs = _hook_inputs(self, args, kwargs)
         return args, kwargs
 
     def _post_forward(self, module, args, out):
@@ -333,13 +369,18 @@ class ParamGroup:
         elif self.reshard_after_forward:
             self.free_unsharded()
         if torch.is_grad_enabled():
-            tensors = [t for t in _flatten(out) if t.requires_grad]
+            tensors = [
+                t
+                for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, self._pre_backward, mode="any"
                 )
         if self.mp.output_dtype is not None:
-            out = _cast_floating(out, self.mp.output_dtype)
+            dt = self.mp.output_dtype
+            out = _tree_map_tensors(lambda t: t.to(dt) if t.is_floating_point() else t, out)
         return out
 
     def _pre_backward(self, grad):
@@ -356,15 +397,15 @@ class ParamGroup:
         if not _PENDING:
             Variable._execution_engine.queue_callback(_end_of_backward)
         if self not in _PENDING:
-            self._ready = 0
+            self._left = self._fwd_calls
             _PENDING.append(self)
 
-    def _grad_ready(self, _param) -> None:
-        """All of the group's gradients have arrived: start the reduce-scatter now, so it runs
-        while backward computes the earlier groups."""
-        self._ready += 1
-        needed = sum(1 for e in self.entries if e.sharded.requires_grad)
-        if self._ready == needed and self.sync and self in _PENDING and self._rs is None:
+    def module_backward_done(self) -> None:
+        """Gradients reached the inputs of one forward call of the module; after the last one
+        every parameter gradient of the group is accumulated: start the reduce-scatter now, so
+        it runs while backward computes the earlier groups."""
+        self._left -= 1
+        if self._left == 0 and self.sync and self in _PENDING and self._rs is None:
             self._start_reduce()
             if self.reshard_after_backward:
                 self.free_unsharded()
@@ -376,7 +417,7 @@ class ParamGroup:
             if self._rs is None:
                 self._start_reduce()
             self._finish_reduce()
-        self._ready = 0
+        self._fwd_calls = 0
         if self.reshard_after_backward:
             self.free_unsharded()
 
@@ -385,14 +426,26 @@ class ParamGroup:
         total = self.total
         # copy-in: each gradient goes straight into its column of the (ranks, total) buffer,
         # cast to reduce_dtype by the same copy
+        # which parameters have a gradient on some rank (frozen or unused ones keep None)
+        mask = torch.tensor(
+            [
+                float(e.unsharded is not None and _local(e.unsharded).grad is not None)
+                for e in self.entries
+            ],
+            device=dev,
+        )
+        for d in (self.shard_dim, self.rep_dim):
+            if d is not None and self.mesh.shape[d] > 1:
+                self.platform.all_reduce(mask, "max", self.mesh._groups[d])
+        has = [bool(x) for x in mask.tolist()]
         send = torch.empty(self.n, total, dtype=self.reduce_dtype, device=dev)
         off = 0
         with torch.no_grad():
-            for e in self.entries:
+            for e, h in zip(self.entries, has):
                 col = send[:, off : off + e.padded]
                 off += e.padded
                 g = _local(e.unsharded).grad if e.unsharded is not None else None
-                if g is None:
+                if g is None or not h:
                     col.zero_()
                     continue
                 if self.grad_scale != 1.0:
@@ -418,7 +471,7 @@ class ParamGroup:
         work = self.platform.reduce_scatter_into(
             out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
         )
-        self._rs = (work, out, send)
+        self._rs = (work, out, send, has)
         self._ar = None
         _LAUNCHED.append(self)
 
@@ -426,10 +479,10 @@ class ParamGroup:
         """After this group's reduce-scatter: all-reduce across replicas (HSDP), async."""
         if self._rs is None or self._ar is not None:
             return
-        work, out, _send = self._rs
+        work, out, _send, has = self._rs
         if work is not None:
             work.wait()  # on NCCL a stream dependency, not a host wait
-        self._rs = (None, out, _send)
+        self._rs = (None, out, _send, has)
         if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
             self._ar = (
                 self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim], async_op=True)
@@ -440,7 +493,7 @@ class ParamGroup:
 
     def _finish_reduce(self) -> None:
         self._launch_allreduce()
-        _work, out, _send = self._rs
+        _work, out, _send, has = self._rs
         self._rs = None
         if self._ar is not True and self._ar is not None:
             self._ar.wait()
@@ -454,9 +507,11 @@ class ParamGroup:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.offload.pin_memory)
             out = host.copy_(out)
         off = 0
-        for e in self.entries:
+        for e, h in zip(self.entries, has):
             local = out[off : off + e.padded].view((e.chunk,) + e.shape[1:])[: e.rows]
             off += e.padded
+            if not h:
+                continue
             if e.dim:
                 local = local.movedim(0, e.dim)
             target = e.sharded.to_local()
@@ -467,6 +522,7 @@ class ParamGroup:
 
 
 _TP_DP_MESHES: dict = {}
+_ALIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _unmoved(shape, dim):
@@ -506,31 +562,47 @@ def _tp_dp_grid(tp_mesh, dp_mesh) -> list[list[int]]:
 def _end_of_backward() -> None:
     # started reductions finish in launch order; the rest start in a fixed order: both are the
     # same on every rank, as collectives require
-    started = [g for g in _LAUNCHED if g in _PENDING]
+    started = list(dict.fromkeys(g for g in _LAUNCHED if g in _PENDING))
     rest = sorted((g for g in _PENDING if g not in started), key=lambda g: -g.index)
     _PENDING.clear()
     _FORWARD_ORDER.clear()
-    _LAUNCHED.clear()
-    for g in started + rest:
-        g.post_backward()
+    try:
+        for g in started + rest:
+            g.post_backward()
+    finally:
+        _LAUNCHED.clear()
+        for g in list(_ALIVE):  # all-gathers prefetched for a backward that did not come
+            g.discard_prefetch()
+            g._fwd_calls = 0
 
 
-def _flatten(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flatten(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _flatten(o)]
-    return []
+class _PostBackward(torch.autograd.Function):
+    """Identity on a forward call's inputs; its backward tells the group the call is done."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.module_backward_done()
+        return (None, *grads)
 
 
-def _cast_floating(out, dtype):
-    if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.is_floating_point() else out
-    if isinstance(out, (list, tuple)):
-        return type(out)(_cast_floating(o, dtype) for o in out)
-    return out
+def _hook_inputs(group, args, kwargs):
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return args, kwargs
+    outs = _PostBackward.apply(group, *[flat[i] for i in idx])
+    for i, o in zip(idx, outs):
+        flat[i] = o
+    return torch.utils._pytree.tree_unflatten(flat, spec)
+
+
+def _tree_map_tensors(fn, tree):
+    return torch.utils._pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 _ = DTensor

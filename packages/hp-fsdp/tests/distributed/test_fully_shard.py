@@ -382,3 +382,93 @@ def _prefetch():
 
 def test_explicit_prefetch_gathers_early_and_stays_exact(pool4):
     assert pool4.run(_prefetch) == [[True]] * 4
+
+
+class _Lin(torch.nn.Linear):
+    def forward(self, x, use_bias=True):
+        return F.linear(x, self.weight, self.bias if use_bias else None)
+
+
+class _Two(torch.nn.Module):
+    """Two linears; the second may skip its bias (a data-dependent branch) and an auxiliary head
+    may run without taking part in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = _Lin(4, 4)
+        self.b = _Lin(4, 4)
+        self.aux = _Lin(4, 4)
+
+    def forward(self, x, use_bias=True):
+        h = torch.tanh(self.a(x))
+        self.last_aux = self.aux(h)  # computed, not always used
+        return self.b(h, use_bias)
+
+
+def _review_cases():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    res = {}
+    # rank-dependent unused bias; frozen a.bias; aux head unused in the loss; 3 SGD steps
+    torch.manual_seed(0)
+    ref, m = _Two(), _Two()
+    m.load_state_dict(ref.state_dict())
+    for mod in (m, ref):
+        mod.a.bias.requires_grad_(False)
+    for sub in (m.a, m.b, m.aux):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(
+        [p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9
+    )
+    flags = [True, False]
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        use_aux = step != 1
+        out = m(x[2 * rank : 2 * rank + 2], flags[rank])
+        loss = out.pow(2).sum() + (m.last_aux.sum() if use_aux else 0)
+        loss.backward()
+        for i in range(2):
+            o = ref(x[2 * i : 2 * i + 2], flags[i])
+            ((o.pow(2).sum() + (ref.last_aux.sum() if use_aux else 0)) / 2).backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                assert p.grad is None, f"{n} step {step}: expected no gradient"
+            else:
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=f"{n} {step}")
+        opt.step()
+        ref_opt.step()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), msg=n)
+    res["mixed_usage"] = True
+    # tied weights inside one group train as one parameter
+    torch.manual_seed(0)
+    ref, m = _Two(), _Two()
+    ref.b.weight = ref.a.weight
+    m.load_state_dict(ref.state_dict())
+    m.b.weight = m.a.weight
+    fully_shard(m, mesh=mesh)
+    assert m.b.weight is m.a.weight
+    m(x[2 * rank : 2 * rank + 2]).sum().backward()
+    for i in range(2):
+        (ref(x[2 * i : 2 * i + 2]).sum() / 2).backward()
+    torch.testing.assert_close(m.a.weight.grad.full_tensor(), ref.a.weight.grad)
+    res["tied"] = len(list(m.parameters())) == len(list(ref.parameters()))
+    # tied across groups: an error, not a silent untie
+    t = _Two()
+    t.b.weight = t.a.weight
+    fully_shard(t.a, mesh=mesh)
+    try:
+        fully_shard(t, mesh=mesh)
+        res["tie_across"] = False
+    except FSDPError as e:
+        res["tie_across"] = "tied" in str(e)
+    return res
+
+
+def test_review_cases_tied_frozen_unused_aux(pool2):
+    for res in pool2.run(_review_cases):
+        assert res == {"mixed_usage": True, "tied": True, "tie_across": True}
