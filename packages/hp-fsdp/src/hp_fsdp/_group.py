@@ -425,20 +425,15 @@ class ParamGroup:
         dev = self.device
         total = self.total
         # copy-in: each gradient goes straight into its column of the (ranks, total) buffer,
-        # cast to reduce_dtype by the same copy
-        # which parameters have a gradient on some rank (frozen or unused ones keep None)
-        mask = torch.tensor(
-            [
-                float(e.unsharded is not None and _local(e.unsharded).grad is not None)
-                for e in self.entries
-            ],
-            device=dev,
-        )
-        for d in (self.shard_dim, self.rep_dim):
-            if d is not None and self.mesh.shape[d] > 1:
-                self.platform.all_reduce(mask, "max", self.mesh._groups[d])
-        has = [bool(x) for x in mask.tolist()]
-        send = torch.empty(self.n, total, dtype=self.reduce_dtype, device=dev)
+        # cast to reduce_dtype by the same copy. Which parameters have a gradient here is
+        # appended to every rank's segment, so the reduction also tells each rank where some
+        # rank had one (frozen or unused parameters keep None), with no collective of its own
+        has = [
+            e.unsharded is not None and _local(e.unsharded).grad is not None for e in self.entries
+        ]
+        n_params = len(self.entries)
+        send = torch.empty(self.n, total + n_params, dtype=self.reduce_dtype, device=dev)
+        send[:, total:] = torch.tensor([float(h) for h in has], dtype=self.reduce_dtype)
         off = 0
         with torch.no_grad():
             for e, h in zip(self.entries, has):
@@ -464,7 +459,7 @@ class ParamGroup:
                             col[r, :k].copy_(flat[start * e.rest : start * e.rest + k])
                 _local(e.unsharded).grad = None  # copied into the send buffer: free it
         send = send.view(-1)
-        out = torch.empty(total, dtype=self.reduce_dtype, device=dev)
+        out = torch.empty(total + n_params, dtype=self.reduce_dtype, device=dev)
         # HSDP: the all-reduce of the previous group starts now, overlapping this reduce-scatter
         for g in _LAUNCHED:
             g._launch_allreduce()
@@ -493,11 +488,13 @@ class ParamGroup:
 
     def _finish_reduce(self) -> None:
         self._launch_allreduce()
-        _work, out, _send, has = self._rs
+        _work, out, _send, _mine = self._rs
         self._rs = None
         if self._ar is not True and self._ar is not None:
             self._ar.wait()
         self._ar = None
+        has = [x > 0 for x in out[self.total :].tolist()]  # some rank had this gradient
+        out = out[: self.total]
         divide = self.n
         if self.rep_dim is not None:
             divide *= self.mesh.shape[self.rep_dim]
