@@ -133,6 +133,7 @@ class ParamGroup:
             self.reshard_after_forward = True
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
         self._rs = None  # a started reduce-scatter: (work, out, send, has-grad mask)
+        self._rs_event = None
         self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
         self._fwd_calls = 0  # forward calls (with grad) since the last backward
         self._left = 0  # of those, module backwards not yet finished in this backward
@@ -210,26 +211,30 @@ class ParamGroup:
             return
         dev = self.device
         total = self.total
-        # copy-in straight into this rank's slot of the output: one cast-copy per parameter and
-        # an in-place collective (no separate send buffer, no self-copy)
-        recv = torch.empty(self.n * total, dtype=self.param_dtype, device=dev)
-        me = self.mesh.get_local_rank(self.shard_dim)
-        send = recv[me * total : (me + 1) * total]
-        off = 0
-        with torch.no_grad():
-            for e in self.entries:
-                loc = e.sharded.to_local()
-                if e.dim:
-                    loc = loc.movedim(e.dim, 0)
-                k = loc.numel()
-                send[off : off + k].copy_(loc.reshape(-1), non_blocking=True)
-                if k < e.padded:
-                    send[off + k : off + e.padded].zero_()
-                off += e.padded
-        work = self.platform.all_gather_into(
-            recv, send, self.mesh._groups[self.shard_dim], async_op=True
-        )
-        self._ag = (work, recv, send, total, dev)
+        stream = _side_stream(dev, "all_gather")
+        with _on(stream):
+            # copy-in straight into this rank's slot of the output: one cast-copy per parameter
+            # and an in-place collective (no separate send buffer, no self-copy); on CUDA this
+            # runs on a side stream, so a prefetch overlaps the current group's compute
+            recv = torch.empty(self.n * total, dtype=self.param_dtype, device=dev)
+            me = self.mesh.get_local_rank(self.shard_dim)
+            send = recv[me * total : (me + 1) * total]
+            off = 0
+            with torch.no_grad():
+                for e in self.entries:
+                    loc = e.sharded.to_local()
+                    if e.dim:
+                        loc = loc.movedim(e.dim, 0)
+                    k = loc.numel()
+                    send[off : off + k].copy_(loc.reshape(-1), non_blocking=True)
+                    if k < e.padded:
+                        send[off + k : off + e.padded].zero_()
+                    off += e.padded
+            work = self.platform.all_gather_into(
+                recv, send, self.mesh._groups[self.shard_dim], async_op=True
+            )
+            event = _record(stream)
+        self._ag = (work, recv, send, total, dev, event)
         if not async_op:
             self.wait_unshard()
 
@@ -237,8 +242,9 @@ class ParamGroup:
         """Finish a started all-gather: wait, then copy out into the unsharded parameters."""
         if self._ag is None:
             return
-        work, recv, _send, total, dev = self._ag
+        work, recv, _send, total, dev, event = self._ag
         self._ag = None
+        _wait(event, recv)
         if work is not None:
             work.wait()
         self._copy_out(recv.view(self.n, total), self.n, dev)
@@ -432,14 +438,28 @@ class ParamGroup:
             e.unsharded is not None and _local(e.unsharded).grad is not None for e in self.entries
         ]
         n_params = len(self.entries)
+        stream = _side_stream(dev, "reduce_scatter")
+        with _on(stream):
+            work, out, send, has = self._pack_and_reduce(dev, total, has, n_params, stream)
+            event = _record(stream)
+        self._rs_event = event
+        self._rs = (work, out, send, has)
+        self._ar = None
+        _LAUNCHED.append(self)
+
+    def _pack_and_reduce(self, dev, total, has, n_params, stream):
+        """Copy gradients into the (ranks, total + flags) buffer and start the reduce-scatter."""
         send = torch.empty(self.n, total + n_params, dtype=self.reduce_dtype, device=dev)
-        send[:, total:] = torch.tensor([float(h) for h in has], dtype=self.reduce_dtype)
+        if all(has):  # the common case: no host-to-device copy
+            send[:, total:].fill_(1.0)
+        else:
+            send[:, total:] = torch.tensor([float(h) for h in has], dtype=self.reduce_dtype)
         off = 0
         with torch.no_grad():
             for e, h in zip(self.entries, has):
                 col = send[:, off : off + e.padded]
                 off += e.padded
-                g = _local(e.unsharded).grad if e.unsharded is not None else None
+                g = g0 = _local(e.unsharded).grad if e.unsharded is not None else None
                 if g is None or not h:
                     col.zero_()
                     continue
@@ -457,6 +477,8 @@ class ParamGroup:
                         if rows:
                             k = rows * e.rest
                             col[r, :k].copy_(flat[start * e.rest : start * e.rest + k])
+                if stream is not None:
+                    g0.record_stream(stream)  # read on the side stream: keep it until then
                 _local(e.unsharded).grad = None  # copied into the send buffer: free it
         send = send.view(-1)
         out = torch.empty(total + n_params, dtype=self.reduce_dtype, device=dev)
@@ -466,15 +488,14 @@ class ParamGroup:
         work = self.platform.reduce_scatter_into(
             out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
         )
-        self._rs = (work, out, send, has)
-        self._ar = None
-        _LAUNCHED.append(self)
+        return work, out, send, has
 
     def _launch_allreduce(self) -> None:
         """After this group's reduce-scatter: all-reduce across replicas (HSDP), async."""
         if self._rs is None or self._ar is not None:
             return
         work, out, _send, has = self._rs
+        _wait(self._rs_event, out)
         if work is not None:
             work.wait()  # on NCCL a stream dependency, not a host wait
         self._rs = (None, out, _send, has)
@@ -493,7 +514,10 @@ class ParamGroup:
         if self._ar is not True and self._ar is not None:
             self._ar.wait()
         self._ar = None
-        has = [x > 0 for x in out[self.total :].tolist()]  # some rank had this gradient
+        if not all(_mine):  # only then read the flags (a device-to-host sync on GPUs)
+            has = [x > 0 for x in out[self.total :].tolist()]  # some rank had this gradient
+        else:
+            has = _mine
         out = out[: self.total]
         divide = self.n
         if self.rep_dim is not None:
@@ -519,6 +543,46 @@ class ParamGroup:
 
 
 _TP_DP_MESHES: dict = {}
+_STREAMS: dict = {}
+
+
+def _side_stream(dev, kind):
+    """A side stream per (CUDA device, purpose) that first waits for the current stream (its
+    inputs were produced there); None on CPU, where collectives are ordered anyway."""
+    if dev.type != "cuda":
+        return None
+    s = _STREAMS.get((dev, kind))
+    if s is None:
+        s = _STREAMS[(dev, kind)] = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    return s
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else _Null()
+
+
+def _record(stream):
+    return stream.record_event() if stream is not None else None
+
+
+def _wait(event, buf) -> None:
+    """Make the current stream wait for a side-stream event; ``buf``, allocated there, is now
+    used on the current stream too."""
+    if event is not None:
+        cur = torch.cuda.current_stream(buf.device)
+        cur.wait_event(event)
+        buf.record_stream(cur)
+
+
 _ALIVE: weakref.WeakSet = weakref.WeakSet()
 
 
