@@ -33,10 +33,12 @@ def _run(rank, world, args, path, queue):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     mesh = hp.init_device_mesh(dev, (world,))
     g = torch.Generator().manual_seed(0)
-    mats = [
-        hp.distribute_tensor(torch.randn(args.dim, args.dim, generator=g), mesh, [hp.Shard(0)])
-        for _ in range(args.count)
-    ]
+    if args.llama:  # the hidden matrices of the 1.3B Llama-style anchor model (24 layers)
+        shapes = [(2048, 2048)] * 4 + [(5632, 2048)] * 2 + [(2048, 5632)]
+        shapes = shapes * 24
+    else:
+        shapes = [(args.dim, args.dim)] * args.count
+    mats = [hp.distribute_tensor(torch.randn(*s, generator=g), mesh, [hp.Shard(0)]) for s in shapes]
 
     def sync():
         if dev == "cuda":
@@ -63,9 +65,10 @@ def _run(rank, world, args, path, queue):
 
 
 def _report(args, world, results):
+    what = "the 1.3B model's 168 hidden" if args.llama else f"{args.count} {args.dim}x{args.dim}"
     med = {k: max(r[k] for r in results.values()) for k in ("owner", "naive")}
     print(
-        f"Muon orthogonalisation, {args.count} matrices {args.dim}x{args.dim} sharded over "
+        f"Muon orthogonalisation, {what} matrices sharded over "
         f"{world} ranks ({args.device}), torch {torch.__version__}; median of {args.repeats}"
     )
     print(f"naive (all-gather every matrix): {med['naive'] * 1e3:9.2f} ms")
@@ -79,6 +82,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--count", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--llama",
+        action="store_true",
+        help="the 168 hidden matrices of the 1.3B anchor model instead of --dim/--count",
+    )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     if "RANK" in os.environ:
