@@ -14,13 +14,14 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
 
 
 def _time_per_call(fn, iters: int, repeats: int, sync=lambda: None) -> float:
@@ -37,10 +38,9 @@ def _time_per_call(fn, iters: int, repeats: int, sync=lambda: None) -> float:
     return statistics.median(samples)
 
 
-def _worker(rank, world, path, iters, repeats, queue, device="cpu"):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+def _run(rank, world, args, path, queue):
+    init_rank(rank, world, path, threads=1)
+    iters, repeats, device = args.iters, args.repeats, args.device
     warnings.simplefilter("ignore")
     from torch.distributed import tensor as tdt
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
@@ -96,60 +96,12 @@ def _worker(rank, world, path, iters, repeats, queue, device="cpu"):
             t.append(_time_per_call(theirs, iters, 1, sync))
             p.append(_time_per_call(plain, iters, 1, sync))
         rows.append((name, statistics.median(p), statistics.median(t), statistics.median(o)))
-    queue.put((rank, rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, world, args, rows, queue, _report)
 
 
-def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
-    """Results from every rank; fails (instead of waiting forever) when a rank dies."""
-    import queue as queue_mod
-
-    results, deadline = {}, time.monotonic() + timeout_s
-    while len(results) < len(procs):
-        try:
-            rank, value = queue.get(timeout=1.0)
-            results[rank] = value
-        except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
-                raise SystemExit(msg) from None
-    return results
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument(
-        "--device",
-        default="cpu",
-        choices=["cpu", "cuda"],
-        help="cuda: tensors on the GPU (ranks share GPU 0), gloo between ranks",
-    )
-    args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rdzv")
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, args.world, path, args.iters, args.repeats, queue, args.device),
-            )
-            for r in range(args.world)
-        ]
-        for pr in procs:
-            pr.start()
-        results = _collect(queue, procs)
-        for pr in procs:
-            pr.join(timeout=60)
+def _report(args, world, results):
     print(
-        f"torch {torch.__version__}, {args.device}, {args.world} gloo ranks, 1 thread each, "
+        f"torch {torch.__version__}, {args.device}, {world} gloo ranks, 1 thread each, "
         f"median of {args.repeats} x {args.iters} calls, rank 0 (us per call)"
     )
     head = (
@@ -166,7 +118,21 @@ def main(argv=None) -> int:
             worst = max(worst, ratio)
         print(f"{name:34s} {plain:7.2f} {theirs:8.2f} {ours:8.2f} {to:9.2f} {oo:9.2f} {ratio:6.2f}")
     print(f"worst overhead ratio (target <= 0.50, all-gather excluded): {worst:.2f}")
-    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: tensors on the GPU (ranks share GPU 0), gloo between ranks",
+    )
+    args = ap.parse_args(argv)
+    return launch(_run, _report, args, world=args.world)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,16 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
 
 
 def _run(rank, world, args, path, queue):
@@ -39,10 +38,7 @@ def _run(rank, world, args, path, queue):
     from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     warnings.simplefilter("ignore")
-    if path is not None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-        torch.set_num_threads(args.threads)
+    init_rank(rank, world, path, args.threads)
     dev = (
         torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
         if args.device == "cuda"
@@ -113,12 +109,7 @@ def _run(rank, world, args, path, queue):
             times[k].append((time.perf_counter() - t0) / args.iters)
         peak[k] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     res = {k: (statistics.median(v), peak[k]) for k, v in times.items()}
-    if queue is not None:
-        queue.put((rank, res))
-    elif rank == 0:
-        _report(args, world, {0: res})
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, world, args, res, queue, _report)
 
 
 def _report(args, world, results):
@@ -135,24 +126,6 @@ def _report(args, world, results):
     for k in ("torch", "ours"):
         print(f"{k:8s} {med[k] * 1e3:9.2f} {tokens / med[k]:14.0f} {peak[k]:9.2f}")
     print(f"throughput ratio ours/FSDP2: {med['torch'] / med['ours']:.3f} (target >= 1.0)")
-
-
-def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
-    import queue as queue_mod
-
-    results, deadline = {}, time.monotonic() + timeout_s
-    while len(results) < len(procs):
-        try:
-            rank, value = queue.get(timeout=1.0)
-            results[rank] = value
-        except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
-                raise SystemExit(msg) from None
-    return results
 
 
 def main(argv=None) -> int:
@@ -173,23 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, None)
-        return 0
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = _collect(queue, procs)
-        for p in procs:
-            p.join(timeout=120)
-    _report(args, world, results)
-    return 0
+    return launch(_run, _report, args, world=2)
 
 
 if __name__ == "__main__":

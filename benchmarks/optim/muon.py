@@ -13,21 +13,19 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
 
 
 def _run(rank, world, args, path, queue):
     import hp_dtensor as hp
     from hp_optim import orthogonalize
 
-    if path is not None:
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-        torch.set_num_threads(args.threads)
+    init_rank(rank, world, path, args.threads)
     dev = args.device
     if dev == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -56,12 +54,7 @@ def _run(rank, world, args, path, queue):
             sync()
             times[kind].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    if queue is not None:
-        queue.put((rank, med))
-    elif rank == 0:
-        _report(args, world, {0: med})
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, world, args, med, queue, _report)
 
 
 def _report(args, world, results):
@@ -89,30 +82,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, None)
-        return 0
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = {}
-        while len(results) < world:
-            try:
-                r, v = queue.get(timeout=5)
-                results[r] = v
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a benchmark rank failed; see above") from None
-        for p in procs:
-            p.join(timeout=60)
-    _report(args, world, results)
-    return 0
+    return launch(_run, _report, args, world=2)
 
 
 if __name__ == "__main__":

@@ -17,17 +17,16 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import types
 import warnings
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "packages", "hp-dtensor", "tests", "distributed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
 
 
 def _styles(kind):
@@ -55,10 +54,7 @@ def _run(rank, world, args, path, queue):
     import llama_block as lb
 
     warnings.simplefilter("ignore")
-    if path is not None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-        torch.set_num_threads(args.threads)
+    init_rank(rank, world, path, args.threads)
     from torch.distributed.device_mesh import init_device_mesh
 
     import hp_dtensor as hp
@@ -110,12 +106,7 @@ def _run(rank, world, args, path, queue):
             sync()
             times[k].append((time.perf_counter() - t0) / args.iters)
     med = {k: statistics.median(v) for k, v in times.items()}
-    if queue is not None:
-        queue.put((rank, med))
-    elif rank == 0:
-        _report(args, world, {0: med})
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, world, args, med, queue, _report)
 
 
 def _report(args, world, results):
@@ -134,25 +125,6 @@ def _report(args, world, results):
     print(f"throughput ratio ours/torch: {theirs / ours:.3f} (target >= 1.0)")
 
 
-def _collect(queue, procs, timeout_s: float = 900.0) -> dict:
-    """Results from every rank; fails (instead of waiting forever) when a rank dies."""
-    import queue as queue_mod
-
-    results, deadline = {}, time.monotonic() + timeout_s
-    while len(results) < len(procs):
-        try:
-            rank, value = queue.get(timeout=1.0)
-            results[rank] = value
-        except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
-                raise SystemExit(msg) from None
-    return results
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -169,24 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    if "RANK" in os.environ:  # launched by torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        _run(rank, world, args, None, None)
-        return 0
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_run, args=(r, world, args, path, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = _collect(queue, procs)
-        for p in procs:
-            p.join(timeout=120)
-    _report(args, world, results)
-    return 0
+    return launch(_run, _report, args, world=2)
 
 
 if __name__ == "__main__":

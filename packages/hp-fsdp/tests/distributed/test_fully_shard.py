@@ -122,27 +122,33 @@ def test_fsdp_4_ranks_matches_single_device(pool4):
 
 
 def test_fsdp_2_ranks_matches_single_device(pool2):
-    pool2.run(_run, (2,), steps=10)
+    losses = pool2.run(_run, (2,), steps=10)  # each step is compared inside _run
+    assert losses[0] == losses[1] and len(losses[0]) == 10
 
 
 def test_hsdp_2x2_matches_single_device(pool4):
-    pool4.run(_run, (2, 2))
+    losses = pool4.run(_run, (2, 2))
+    assert all(x == losses[0] for x in losses) and len(losses[0]) == 10
 
 
 def test_no_reshard_and_gradient_accumulation(pool4):
-    pool4.run(_run, (4,), steps=10, accumulate=2, reshard_after_forward=False)
+    losses = pool4.run(_run, (4,), steps=10, accumulate=2, reshard_after_forward=False)
+    assert len(losses[0]) == 10
 
 
 def test_reshard_to_a_smaller_group_after_forward(pool4):
-    pool4.run(_run, (4,), steps=5, reshard_after_forward=2, shard_dim1="all")
+    losses = pool4.run(_run, (4,), steps=5, reshard_after_forward=2, shard_dim1="all")
+    assert len(losses[0]) == 5
 
 
 def test_shard_on_dim1_uneven_matches_single_device(pool4):
-    pool4.run(_run, (4,), steps=5, shard_dim1="all")
+    losses = pool4.run(_run, (4,), steps=5, shard_dim1="all")
+    assert len(losses[0]) == 5
 
 
 def test_cpu_offload_matches_single_device(pool4):
-    pool4.run(_run, (4,), steps=10, offload=True)
+    losses = pool4.run(_run, (4,), steps=10, offload=True)
+    assert len(losses[0]) == 10
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,84 @@
+"""Shared launch code for the benchmarks: spawn gloo ranks (CPU) or run under torchrun (GPU),
+collect each rank's result, and fail instead of waiting forever when a rank dies.
+
+A benchmark script defines ``run(rank, world, args, path, queue)`` (which calls
+:func:`init_rank` first and :func:`finish` last) and ``report(args, world, results)``, and its
+``main`` calls :func:`launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["finish", "init_rank", "launch"]
+
+
+def init_rank(rank: int, world: int, path: str | None, threads: int = 1) -> None:
+    """In a spawned rank (``path`` set): torchrun-like environment and a gloo group over a file
+    rendezvous. Under torchrun (``path`` None) the group exists already; nothing to do."""
+    if path is None:
+        return
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    torch.set_num_threads(threads)
+
+
+def finish(rank: int, world: int, args, result, queue, report) -> None:
+    """Hand this rank's ``result`` to the launcher (spawned) or print the report on rank 0
+    (torchrun), then tear the group down."""
+    if queue is not None:
+        queue.put((rank, result))
+    elif rank == 0:
+        report(args, world, {0: result})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(run, report, args, *, world: int = 2) -> int:
+    """Run ``run(rank, world, args, path, queue)`` on every rank, then ``report(args, world,
+    {rank: result})``.
+
+    Under torchrun (``RANK`` set) the group is torchrun's (NCCL for ``args.device == "cuda"``):
+    ``run`` gets ``path`` and ``queue`` None and rank 0 reports. Otherwise ``world`` gloo ranks
+    are spawned here.
+    """
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, None)
+        return 0
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=run, args=(r, world, args, path, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = _collect(q, procs)
+        for p in procs:
+            p.join(timeout=120)
+    report(args, world, results)
+    return 0
+
+
+def _collect(q, procs, timeout_s: float = 900.0) -> dict:
+    """Results from every rank; kills the rest and exits when one dies or time runs out."""
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, value = q.get(timeout=1.0)
+            results[rank] = value
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
+                raise SystemExit(msg) from None
+    return results
