@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import types
 import warnings
 
 import torch
@@ -27,27 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "packages", "hp-dtensor", "tests", "distributed"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import finish, init_rank, launch  # noqa: E402
-
-
-def _styles(kind):
-    if kind == "ours":
-        import hp_dtensor.parallel as hpp
-        from hp_dtensor import Replicate, Shard
-
-        return types.SimpleNamespace(
-            **{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard, Replicate=Replicate
-        ), hpp.parallelize_module
-    import torch.distributed.tensor.parallel as tp
-    from torch.distributed import tensor as tdt
-
-    return types.SimpleNamespace(
-        ColwiseParallel=tp.ColwiseParallel,
-        RowwiseParallel=tp.RowwiseParallel,
-        SequenceParallel=tp.SequenceParallel,
-        PrepareModuleInput=tp.PrepareModuleInput,
-        Shard=tdt.Shard,
-        Replicate=tdt.Replicate,
-    ), tp.parallelize_module
 
 
 def _run(rank, world, args, path, queue):
@@ -75,7 +53,7 @@ def _run(rank, world, args, path, queue):
         torch.manual_seed(0)
         with torch.device(device):
             m = lb.Block(args.dim, args.heads, args.kv_heads, args.hidden).to(dtype)
-        styles, parallelize = _styles(kind)
+        styles, parallelize = lb.tp_library(kind)
         parallelize(m, mesh, lb.tp_plan(styles, sequence_parallel=args.sp))
         models[kind] = m
     cos, sin = lb.rope_tables(args.seq, args.dim // args.heads)

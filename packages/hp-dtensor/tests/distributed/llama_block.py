@@ -4,6 +4,8 @@ the ranks) and by benchmarks/tp/block.py."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,6 +81,29 @@ def rope_tables(seq: int, head_dim: int, theta: float = 10000.0):
     ang = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
+
+
+def tp_library(kind: str):
+    """``(styles, parallelize_module)`` of one TP library: ``"ours"`` (hp_dtensor.parallel) or
+    ``"torch"`` (torch.distributed.tensor.parallel); ``styles`` is what :func:`tp_plan` takes."""
+    if kind == "ours":
+        import hp_dtensor.parallel as hpp
+        from hp_dtensor import Replicate, Shard
+
+        return types.SimpleNamespace(
+            **{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard, Replicate=Replicate
+        ), hpp.parallelize_module
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed import tensor as tdt
+
+    return types.SimpleNamespace(
+        ColwiseParallel=tp.ColwiseParallel,
+        RowwiseParallel=tp.RowwiseParallel,
+        SequenceParallel=tp.SequenceParallel,
+        PrepareModuleInput=tp.PrepareModuleInput,
+        Shard=tdt.Shard,
+        Replicate=tdt.Replicate,
+    ), tp.parallelize_module
 
 
 def tp_plan(styles, *, sequence_parallel: bool):

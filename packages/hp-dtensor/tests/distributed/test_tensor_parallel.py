@@ -7,7 +7,6 @@ steps; the same plans through torch.distributed.tensor.parallel must give the sa
 
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -30,21 +29,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _styles(kind):
-    if kind == "ours":
-        return types.SimpleNamespace(
-            **{n: getattr(hpp, n) for n in hpp.__all__}, Shard=Shard, Replicate=Replicate
-        )
-    import torch.distributed.tensor.parallel as tp
-    from torch.distributed import tensor as tdt
-
-    return types.SimpleNamespace(
-        ColwiseParallel=tp.ColwiseParallel,
-        RowwiseParallel=tp.RowwiseParallel,
-        SequenceParallel=tp.SequenceParallel,
-        PrepareModuleInput=tp.PrepareModuleInput,
-        Shard=tdt.Shard,
-        Replicate=tdt.Replicate,
-    )
+    return lb.tp_library(kind)[0]
 
 
 def _data(step):
