@@ -20,7 +20,7 @@ import torch.nn as nn
 import hp_dtensor as hp
 from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
 
-from ._group import ParamGroup, _tp_dp_grid
+from ._group import ParamGroup, _tp_dp_grid, reduce_now
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -106,6 +106,17 @@ class HSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' parameters as soon as this module's backward starts."""
         self._hp_fsdp.backward_prefetch = [_group_of(m, "modules") for m in modules]
+
+    def reduce_gradients(self) -> None:
+        """Reduce, now, the gradients accumulated while ``set_requires_gradient_sync(False)``
+        was in force (this module and the ``fully_shard`` modules inside it): reduce-scatter,
+        and all-reduce across replicas for HSDP, into the sharded parameters' ``.grad``.
+
+        For callers that run many backwards and reduce once outside any of them: pipeline
+        schedules (whose weight-gradient passes need not end at the module's inputs, where the
+        backward hook would fire). Every rank of the mesh must call it.
+        """
+        reduce_now(_groups(self, True))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility. Every backward here finishes its reductions before

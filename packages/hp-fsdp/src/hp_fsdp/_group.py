@@ -637,6 +637,20 @@ def _end_of_backward() -> None:
             g._fwd_calls = 0
 
 
+def reduce_now(groups: list[ParamGroup]) -> None:
+    """Reduce the gradients the groups accumulated with sync off, outside any backward: all
+    reduce-scatters start (in a fixed order, the same on every rank), then all finish."""
+    order = sorted((g for g in groups if g.entries), key=lambda g: -g.index)
+    try:
+        for g in order:
+            if g._rs is None:
+                g._start_reduce()
+        for g in order:
+            g._finish_reduce()
+    finally:
+        _LAUNCHED.clear()
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a forward call's inputs; its backward tells the group the call is done."""
 

@@ -1,0 +1,218 @@
+"""Pipeline schedules on a Llama-style model: hp_pipeline against torch.distributed.pipelining.
+
+The model is split into 2 stages per rank count (GPipe, 1F1B: one stage per rank; interleaved
+1F1B and ZBV: two per rank); both libraries run the same split, data and optimizer (AdamW) in
+one launch, interleaved repeat by repeat. Prints, per schedule, the median step time, tokens/s
+per GPU, the ratio (ours / PyTorch; target >= 1.0) and peak memory per rank, then our measured
+bubble (one extra step with a recorded timeline).
+
+    python benchmarks/pipeline/llama.py                       # CPU: 2 gloo ranks, tiny model
+    torchrun --nproc_per_node=2 benchmarks/pipeline/llama.py --device cuda --dim 2048 \\
+        --layers 24 --heads 16 --kv-heads 16 --hidden 5632 --vocab 32000 --seq 2048 \\
+        --microbatches 8 --mb-size 1 --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
+
+
+class Stage(nn.Module):
+    """Layers [lo, hi) of the model; the first stage embeds, the last normalizes and projects."""
+
+    def __init__(self, full, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.tok = copy.deepcopy(full.tok) if first else None
+        self.layers = nn.ModuleList(copy.deepcopy(full.layers[i]) for i in range(lo, hi))
+        self.norm = copy.deepcopy(full.norm) if last else None
+        self.out = copy.deepcopy(full.out) if last else None
+        self.register_buffer("cos", full.cos.clone(), persistent=False)
+        self.register_buffer("sin", full.sin.clone(), persistent=False)
+
+    def forward(self, x):
+        if self.tok is not None:
+            x = self.tok(x)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        if self.out is not None:
+            x = self.out(self.norm(x))
+        return x
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _run(rank, world, args, path, queue):
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    from tiny_llama import TinyLlama
+
+    import hp_pipeline as hpp
+
+    warnings.simplefilter("ignore")
+    init_rank(rank, world, path, args.threads)
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else None
+    dev = dev or torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    full = TinyLlama(
+        vocab=args.vocab,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=args.hidden,
+        seq=args.seq,
+    )
+    m = args.microbatches
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (m * args.mb_size, args.seq), generator=g).to(dev)
+    ours_cls = {
+        "gpipe": hpp.ScheduleGPipe,
+        "1f1b": hpp.Schedule1F1B,
+        "interleaved_1f1b": hpp.ScheduleInterleaved1F1B,
+        "zbv": hpp.ScheduleZBV,
+    }
+    torch_cls = {
+        "gpipe": tpp.ScheduleGPipe,
+        "1f1b": tpp.Schedule1F1B,
+        "interleaved_1f1b": tpp.ScheduleInterleaved1F1B,
+        "zbv": tpp.ScheduleZBVZeroBubble,
+    }
+    results = {}
+    for name in args.schedules:
+        v = 1 if name in ("gpipe", "1f1b") else 2
+        n = world * v
+        placement = hpp.build_schedule(name, world, m)[1]
+        mine = [s for s in range(n) if placement[s] == rank]
+        bounds = [round(i * args.layers / n) for i in range(n + 1)]
+        runs = {}
+        for impl in ("torch", "ours"):
+            mods = {
+                s: Stage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev) for s in mine
+            }
+            if impl == "ours":
+                stages = [hpp.PipelineStage(mods[s], s, n, device=dev) for s in mine]
+                sched = ours_cls[name](
+                    stages if v > 1 else stages[0], m, loss_fn=_loss, overlap_p2p=args.overlap
+                )
+            else:
+                stages = [tpp.PipelineStage(mods[s], s, n, dev) for s in mine]
+                sched = torch_cls[name](stages if v > 1 else stages[0], m, loss_fn=_loss)
+            params = [p for mod in mods.values() for p in mod.parameters()]
+            opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+            runs[impl] = (sched, opt, 0 in mine, n - 1 in mine)
+
+        def step(impl, runs=runs):
+            sched, opt, first, last = runs[impl]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
+                sched.step(*((ids,) if first else ()), **({"target": ids} if last else {}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+
+        times = {k: [] for k in runs}
+        peak = {k: 0.0 for k in runs}
+        for k in runs:
+            for _ in range(args.warmup):
+                step(k)
+        for _ in range(args.repeats):
+            for k in runs:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    step(k)
+                sync()
+                times[k].append((time.perf_counter() - t0) / args.iters)
+                if cuda:
+                    peak[k] = max(peak[k], torch.cuda.max_memory_allocated() / 2**30)
+        sched = runs["ours"][0]
+        sched.record_timeline = True
+        step("ours")
+        sched.record_timeline = False
+        bubble = sched.bubble_fraction()
+        results[name] = {k: (statistics.median(times[k]), peak[k]) for k in runs}
+        results[name]["bubble"] = bubble
+        del runs, sched, step
+        if cuda:
+            torch.cuda.empty_cache()
+    finish(rank, world, args, results, queue, _report)
+
+
+def _report(args, world, results):
+    tokens = args.microbatches * args.mb_size * args.seq
+    print(
+        f"pipeline Llama-style fwd+bwd+AdamW, {args.device}, {world} ranks, dim {args.dim}, "
+        f"{args.layers} layers, vocab {args.vocab}, {args.microbatches} microbatches of "
+        f"{args.mb_size}x{args.seq}, bf16 autocast={args.bf16}, overlap_p2p={args.overlap}, "
+        f"torch {torch.__version__}; median of {args.repeats} x {args.iters}"
+    )
+    print(
+        f"{'schedule':18s} {'impl':6s} {'ms/step':>9s} {'tok/s/GPU':>10s} "
+        f"{'peak GiB (per rank)':>22s} {'bubble':>7s}"
+    )
+    for name in args.schedules:
+        rows = {}
+        for k in ("torch", "ours"):
+            med = max(r[name][k][0] for r in results.values())
+            peaks = " / ".join(f"{results[r][name][k][1]:.1f}" for r in sorted(results))
+            rows[k] = med
+            bub = max(r[name]["bubble"] for r in results.values()) if k == "ours" else None
+            print(
+                f"{name:18s} {k:6s} {med * 1e3:9.1f} {tokens / med / world:10.0f} {peaks:>22s} "
+                + (f"{bub:7.3f}" if bub is not None else f"{'-':>7s}")
+            )
+        print(f"{name:18s} ratio ours/PyTorch: {rows['torch'] / rows['ours']:.3f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=344)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--mb-size", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 parameters)")
+    ap.add_argument("--overlap", action="store_true", help="overlap_p2p=True for ours")
+    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    return launch(_run, _report, args, world=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

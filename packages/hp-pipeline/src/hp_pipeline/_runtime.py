@@ -1,0 +1,477 @@
+"""Running a schedule: split the batch, execute each rank's step list, move activations and
+gradients between ranks, compute the loss, gather or shard stages once per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._ir import MetaStep, MetaStepType, Placement, Schedule, ScheduleError
+from ._schedules import build_schedule
+from ._sim import channel, simulate
+from ._stage import PipelineError, PipelineStage, ShardedModule
+from ._timeline import TimelineEvent, bubble_fraction
+
+__all__ = [
+    "BatchDimSpec",
+    "PipelineSchedule",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBV",
+    "split_microbatches",
+]
+
+T = MetaStepType
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+]
+_HEADER = 64  # int64 slots of the shape header sent with a channel's first transfer
+
+
+@dataclass(frozen=True)
+class BatchDimSpec:
+    """Which dimension of each input is the batch (split into microbatches).
+
+    ``args`` is one dim for every positional tensor, or one per position (None: not split,
+    passed whole to every microbatch); ``kwargs`` the same per keyword. Applies to ``target``
+    too (its dim is ``target_dim``).
+    """
+
+    args: int | tuple[int | None, ...] = 0
+    kwargs: dict[str, int | None] = field(default_factory=dict)
+    target_dim: int = 0
+
+
+def _split_one(x, n: int, dim: int | None, what: str):
+    if dim is None or not isinstance(x, torch.Tensor):
+        return [x] * n
+    size = x.shape[dim]
+    if size % n:
+        raise PipelineError(
+            f"{what} has batch size {size} on dim {dim}, not divisible by n_microbatches={n}; "
+            f"use a batch that is a multiple of {n} or another n_microbatches"
+        )
+    return list(torch.chunk(x, n, dim=dim))
+
+
+def split_microbatches(
+    args: tuple, kwargs: dict, n: int, spec: BatchDimSpec | None = None
+) -> list[tuple[tuple, dict]]:
+    """Split ``args``/``kwargs`` into ``n`` microbatches along the spec's batch dims."""
+    spec = spec or BatchDimSpec()
+    dims = spec.args if isinstance(spec.args, tuple) else (spec.args,) * len(args)
+    if len(dims) != len(args):
+        raise PipelineError(f"batch_spec.args has {len(dims)} dims for {len(args)} inputs")
+    cols = [_split_one(a, n, d, f"input {i}") for i, (a, d) in enumerate(zip(args, dims))]
+    kcols = {k: _split_one(v, n, spec.kwargs.get(k, 0), f"input {k!r}") for k, v in kwargs.items()}
+    return [(tuple(c[i] for c in cols), {k: v[i] for k, v in kcols.items()}) for i in range(n)]
+
+
+# -- channels ---------------------------------------------------------------------------------
+_CHANNEL_GROUPS: dict[tuple[int, int, str], dist.ProcessGroup] = {}
+_TAGS = {"F": 1, "B": 2}
+
+
+def _make_channel_groups(group, steps: Schedule, placement: Placement) -> None:
+    """NCCL: create the process group of every (source, destination, kind) channel the
+    schedule uses, once, so each channel has its own communicator and stream (see
+    :func:`hp_pipeline.channel`). ``new_group`` must run on every rank of the world in one
+    order, and pipeline groups differ across data-parallel replicas: so every rank shares its
+    channels (global ranks) with all, and all create the union in sorted order. Collective over
+    the world.
+
+    Other backends (gloo) match a receive to a send by peer and tag, in order: one tag per
+    channel kind over the pipeline group already keeps the channels independent.
+    """
+    if dist.get_backend(group) != "nccl":
+        return
+    mine = set()
+    for rank_steps in steps.values():
+        for st in rank_steps:
+            if st.is_comm:
+                src, dst, kind = channel(st, placement)
+                mine.add((_global(group, src), _global(group, dst), kind))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    wanted = sorted({tuple(k) for ks in everyone for k in ks})
+    for key in wanted:
+        if key not in _CHANNEL_GROUPS:
+            _CHANNEL_GROUPS[key] = dist.new_group(sorted({key[0], key[1]}))
+
+
+def _global(group, r: int) -> int:
+    return dist.get_global_rank(group, r) if group is not None else r
+
+
+class PipelineSchedule:
+    """Runs a named schedule over this rank's stages. See the subclasses."""
+
+    name = ""
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        *,
+        scale_grads: bool = True,
+        overlap_p2p: bool = False,
+        overlap_b_f: bool = False,
+        batch_spec: BatchDimSpec | None = None,
+        record_timeline: bool = False,
+    ) -> None:
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise PipelineError("stages must be a PipelineStage or a non-empty list of them")
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise PipelineError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+        self.stages = {s.stage_index: s for s in stages}
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.batch_spec = batch_spec
+        self.record_timeline = record_timeline
+        self.timeline: list[TimelineEvent] = []
+        group = stages[0].group
+        self.group = group
+        self.pp = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        num = {s.num_stages for s in stages}
+        if len(num) != 1:
+            raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
+        sharded = any(s.sharded for s in stages)
+        self.steps_all, self.placement = build_schedule(
+            self.name,
+            self.pp,
+            n_microbatches,
+            stages_per_rank=num.pop() // self.pp if self.pp else None,
+            overlap_p2p=overlap_p2p,
+            overlap_b_f=overlap_b_f,
+            shard_steps=sharded,
+        )
+        if len(self.placement) != stages[0].num_stages:
+            raise PipelineError(
+                f"{type(self).__name__} on {self.pp} ranks runs {len(self.placement)} stages; "
+                f"the stages say num_stages={stages[0].num_stages}"
+            )
+        mine = sorted(s for s, r in self.placement.items() if r == self.rank)
+        if sorted(self.stages) != mine:
+            raise PipelineError(
+                f"rank {self.rank} must hold stages {mine} for {type(self).__name__}, "
+                f"got {sorted(self.stages)}"
+            )
+        if loss_fn is None and any(s.is_last for s in stages):
+            raise PipelineError("loss_fn is required on the rank that holds the last stage")
+        simulate(self.steps_all, self.placement, n_microbatches)  # invalid or deadlocks: raise
+        self.steps: list[MetaStep] = self.steps_all[self.rank]
+        if dist.is_initialized():
+            _make_channel_groups(group, self.steps_all, self.placement)
+        # shapes of the tensors arriving at each stage: a header travels with each channel's
+        # first transfer (the first step); stages given input_args check it
+        self._in_meta: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
+        self._sent_meta: dict[int, bool] = {}
+
+    # -- public -------------------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """One pipelined forward and backward of a batch.
+
+        The rank holding the first stage passes the inputs, the rank holding the last stage
+        ``target`` (and optionally ``losses``, a list that receives each microbatch's loss);
+        other ranks call ``step()``. Returns the last stage's outputs concatenated over the
+        microbatches on the rank that holds it, else None.
+        """
+        m = self.n_microbatches
+        first = self.stages.get(0)
+        last = self.stages.get(len(self.placement) - 1)
+        mbs = split_microbatches(args, kwargs, m, self.batch_spec) if first else None
+        if first is None and (args or kwargs):
+            raise PipelineError(f"rank {self.rank} holds no first stage: pass no inputs")
+        targets = None
+        if last is not None:
+            if target is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage: pass target=")
+            spec = self.batch_spec or BatchDimSpec()
+            targets = _split_one(target, m, spec.target_dim, "target")
+        run = _Run(self, mbs, targets)
+        try:
+            run.execute()
+        except BaseException:
+            for s in self.stages.values():
+                s.clear()
+            raise
+        if last is not None:
+            if losses is not None:
+                losses.extend(run.losses[i] for i in range(m))
+            outs = [run.outputs[i] for i in range(m)]
+            return torch.cat(outs, dim=0) if outs and isinstance(outs[0], torch.Tensor) else None
+        return None
+
+    def bubble_fraction(self) -> float:
+        """The measured bubble of the last recorded step on this rank (``record_timeline``)."""
+        return bubble_fraction(self.timeline)
+
+    @property
+    def schedule(self) -> Schedule:
+        """Every rank's step list (the IR this runtime executes)."""
+        return self.steps_all
+
+
+class _Run:
+    """The state of one ``step``."""
+
+    def __init__(self, sched: PipelineSchedule, mbs, targets) -> None:
+        self.s = sched
+        self.mbs = mbs
+        self.targets = targets
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.recv: dict[tuple, tuple[list, list[torch.Tensor]]] = {}  # key -> (works, buffers)
+        self.sends: list = []
+        self.local_f: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> outputs of stage-1
+        self.local_b: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads from stage+1
+        self.input_grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads to send
+        self.events: list[TimelineEvent] = []
+        self.t0 = time.perf_counter()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def execute(self) -> None:
+        s = self.s
+        rec = s.record_timeline
+        cuda = any(st.device.type == "cuda" for st in s.stages.values())
+        for step in s.steps:
+            if rec:
+                if cuda:
+                    torch.cuda.synchronize()
+                if step.is_compute:  # the wait for this step's inputs is not compute
+                    t = time.perf_counter()
+                    self.wait_inputs(step)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    self.record(f"wait {step}", t, "wait")
+            t = time.perf_counter()
+            self.run_step(step)
+            if rec:
+                if cuda and step.is_compute:
+                    torch.cuda.synchronize()
+                self.record(str(step), t, "compute" if step.is_compute else "comm")
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
+        if self.recv:  # pragma: no cover - check_schedule makes every RECV have a consumer
+            raise ScheduleError(f"rank {s.rank}: received but never used: {sorted(self.recv)}")
+        if rec:
+            s.timeline = self.events
+
+    def record(self, label: str, t: float, kind: str) -> None:
+        now = time.perf_counter()
+        self.events.append(TimelineEvent(self.s.rank, label, t - self.t0, now - self.t0, kind))
+
+    def wait_inputs(self, step: MetaStep) -> None:
+        """Wait for the transfers the compute ``step`` consumes (timeline recording only)."""
+        for part in step.parts():
+            kind = T.RECV_F if part.type is T.F else T.RECV_B
+            key = (kind, part.stage, part.microbatch)
+            got = self.recv.get(key)
+            if got is not None:
+                for w in got[0]:
+                    w.wait()
+                self.recv[key] = ([], got[1])  # a gloo recv must not be waited on twice
+
+    def run_step(self, step: MetaStep) -> None:
+        t = step.type
+        if t is T.F:
+            self.forward(step.stage, step.microbatch)
+        elif t is T.FULL_B or t is T.B:
+            self.backward(step.stage, step.microbatch, full=t is T.FULL_B)
+        elif t is T.W:
+            self.s.stages[step.stage].backward_weight(step.microbatch)
+        elif t is T.OVERLAP_B_F:
+            self.backward(step.stage, step.microbatch, full=step.backward is T.FULL_B)
+            self.forward(step.fused.stage, step.fused.microbatch)
+        elif t is T.SEND_F:
+            outs = self.s.stages[step.stage].outputs(step.microbatch)
+            self.send(step, [o.detach() for o in outs])
+        elif t is T.SEND_B:
+            grads = self.input_grads.pop((step.stage, step.microbatch))
+            self.send(step, grads)
+        elif t is T.RECV_F or t is T.RECV_B:
+            self.post_recv(step)
+        elif t is T.UNSHARD:
+            st = self.s.stages[step.stage]
+            if st.sharded:  # gathered once per step: keep it until RESHARD, reduce there
+                st.module.set_reshard_after_forward(False)
+                st.module.set_reshard_after_backward(False)
+                st.module.set_requires_gradient_sync(False)
+                for m in _sharded_modules(st.module):
+                    m.unshard()
+        elif t is T.RESHARD:
+            st = self.s.stages[step.stage]
+            if st.sharded:
+                st.module.reduce_gradients()
+                st.module.set_requires_gradient_sync(True)
+                st.module.set_reshard_after_forward(True)
+                st.module.set_reshard_after_backward(True)
+                for m in _sharded_modules(st.module):
+                    m.reshard()
+        else:  # pragma: no cover
+            raise ScheduleError(f"cannot run {step}")
+
+    # -- compute ------------------------------------------------------------------------------
+    def forward(self, stage_idx: int, mb: int) -> None:
+        st = self.s.stages[stage_idx]
+        kwargs = {}
+        if st.is_first:
+            args, kwargs = self.mbs[mb]
+        elif (stage_idx, mb) in self.local_f:
+            args = self.local_f.pop((stage_idx, mb))
+        else:
+            args = tuple(self.take_recv((T.RECV_F, stage_idx, mb)))
+        outs = st.forward_one_chunk(mb, args, kwargs)
+        nxt = stage_idx + 1
+        if st.is_last:
+            out = outs[0] if len(outs) == 1 else outs
+            loss = self.s.loss_fn(out, self.targets[mb])
+            self.losses[mb] = loss.detach()
+            self.outputs[mb] = out.detach() if isinstance(out, torch.Tensor) else out
+            st.set_loss(mb, loss / self.s.n_microbatches if self.s.scale_grads else loss)
+        elif self.s.placement[nxt] == self.s.rank:
+            self.local_f[(nxt, mb)] = tuple(o.detach() for o in outs)
+
+    def backward(self, stage_idx: int, mb: int, *, full: bool) -> None:
+        st = self.s.stages[stage_idx]
+        grads = None
+        if not st.is_last:
+            key = (stage_idx, mb)
+            if key in self.local_b:
+                grads = self.local_b.pop(key)
+            else:
+                grads = self.take_recv((T.RECV_B, stage_idx, mb))
+        dx = st.backward_full(mb, grads) if full else st.backward_input(mb, grads)
+        if st.is_first:
+            return
+        prev = stage_idx - 1
+        if self.s.placement[prev] == self.s.rank:
+            self.local_b[(prev, mb)] = dx
+        else:
+            self.input_grads[(stage_idx, mb)] = dx
+
+    # -- communication ------------------------------------------------------------------------
+    def _peer(self, step: MetaStep):
+        src, dst, kind = channel(step, self.s.placement)
+        g_src, g_dst = _global(self.s.group, src), _global(self.s.group, dst)
+        sending = step.type in (T.SEND_F, T.SEND_B)
+        pg = _CHANNEL_GROUPS.get((g_src, g_dst, kind), self.s.group)
+        return pg, (g_dst if sending else g_src), _TAGS[kind]
+
+    def send(self, step: MetaStep, tensors) -> None:
+        pg, peer, tag = self._peer(step)
+        ops = []
+        if step.type is T.SEND_F and not self.s._sent_meta.get(step.stage):
+            header = _header(tensors, self.s.stages[step.stage].device)
+            ops.append(dist.P2POp(dist.isend, header, peer, group=pg, tag=tag))
+            self.s._sent_meta[step.stage] = True
+        for x in tensors:
+            ops.append(dist.P2POp(dist.isend, x.contiguous(), peer, group=pg, tag=tag))
+        for op in ops:  # one transfer per call: see hp_pipeline._sim on channels
+            self.sends.extend(dist.batch_isend_irecv([op]))
+
+    def post_recv(self, step: MetaStep) -> None:
+        pg, peer, tag = self._peer(step)
+        st = self.s.stages[step.stage]
+        if step.type is T.RECV_F:
+            meta = self.s._in_meta.get(step.stage)
+            if meta is None:
+                header = torch.empty(_HEADER, dtype=torch.int64, device=st.device)
+                op = dist.P2POp(dist.irecv, header, peer, group=pg, tag=tag)
+                for w in dist.batch_isend_irecv([op]):
+                    w.wait()
+                meta = self.s._in_meta[step.stage] = _parse_header(header)
+                given = st.input_meta
+                if given is not None and [tuple(x[0]) for x in given] != [
+                    tuple(x[0]) for x in meta
+                ]:
+                    raise PipelineError(
+                        f"stage {st.stage_index}: input_args shapes {[tuple(x[0]) for x in given]}"
+                        f" differ from what stage {st.stage_index - 1} sends "
+                        f"{[tuple(x[0]) for x in meta]}"
+                    )
+        else:  # a gradient for every floating-point output (the next stage's leaves)
+            outs = st.outputs(step.microbatch)
+            meta = [(o.shape, o.dtype) for o in outs if o.is_floating_point()]
+        bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
+        works = []
+        for b in bufs:
+            works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=pg, tag=tag)])
+        self.recv[(step.type, step.stage, step.microbatch)] = (works, bufs)
+
+    def take_recv(self, key) -> list[torch.Tensor]:
+        works, bufs = self.recv.pop(key)
+        for w in works:
+            w.wait()
+        return bufs
+
+
+def _sharded_modules(module) -> list:
+    return [m for m in module.modules() if isinstance(m, ShardedModule)]
+
+
+def _header(tensors, device) -> torch.Tensor:
+    vals = [len(tensors)]
+    for x in tensors:
+        vals += [_DTYPES.index(x.dtype), x.dim(), *x.shape]
+    if len(vals) > _HEADER:
+        raise PipelineError("stage outputs too many or too high-dimensional tensors to describe")
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    return h.to(device)
+
+
+def _parse_header(h: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+    vals = h.tolist()
+    n, k, out = vals[0], 1, []
+    for _ in range(n):
+        dt, nd = vals[k], vals[k + 1]
+        out.append((torch.Size(vals[k + 2 : k + 2 + nd]), _DTYPES[dt]))
+        k += 2 + nd
+    return out
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: all forwards, then all backwards; one stage per rank."""
+
+    name = "gpipe"
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B: one forward, one backward in the steady state; at most ``pp - r`` microbatches
+    in flight on rank ``r``."""
+
+    name = "1f1b"
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B: several stages per rank (stage ``s`` on rank ``s % pp``); needs
+    ``n_microbatches % pp == 0``."""
+
+    name = "interleaved_1f1b"
+
+
+class ScheduleZBV(PipelineSchedule):
+    """Zero-bubble V: two stages per rank (``r`` and ``2*pp - 1 - r``), input and weight
+    gradients split so weight gradients fill the bubbles."""
+
+    name = "zbv"

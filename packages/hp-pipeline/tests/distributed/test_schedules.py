@@ -1,0 +1,276 @@
+"""Every schedule on 2 and 4 gloo ranks against one process (losses, gradients, parameters over
+3 SGD steps), with and without overlap, with FSDP inside the stages, and against
+torch.distributed.pipelining on the same split."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from pp_model import batches, loss_fn, make_model, reference, split
+
+import hp_dtensor as hp
+from hp_fsdp import fully_shard
+from hp_pipeline import (
+    PipelineError,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBV,
+    build_schedule,
+)
+from hp_testing.pytest_plugin import rank_pool_fixture
+
+pool2 = rank_pool_fixture(2)
+pool4 = rank_pool_fixture(4)
+
+OURS = {
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
+    "zbv": (ScheduleZBV, 2),
+}
+STEPS, LR = 3, 0.5
+
+
+def _run(name, m, batch, *, overlap_p2p=False, overlap_b_f=False, fsdp=False, impl="ours"):
+    """On every rank: build this rank's stages, run STEPS steps; return (losses per step on
+    the last stage's rank, gradients of the last step, parameters after) by full-model name."""
+    if fsdp:
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
+        rank, pp = mesh.get_local_rank("pp"), 2
+        dp_rank, dp = mesh.get_local_rank("dp"), 2
+    else:
+        group, rank, pp, dp_rank, dp = None, dist.get_rank(), dist.get_world_size(), 0, 1
+    cls, v = OURS[name]
+    n_stages = pp * v
+    placement = build_schedule(name, pp, m)[1]
+    mine = [s for s in range(n_stages) if placement[s] == rank]
+    every = split(make_model(n_stages), n_stages)
+    mods = {s: every[s] for s in mine}
+    if fsdp:
+        for mod in mods.values():
+            for layer in mod.layers:
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(mod, mesh=dp_mesh)
+    if impl == "ours":
+        stages = [PipelineStage(mods[s], s, n_stages, group=group) for s in mine]
+        sched = cls(
+            stages if v > 1 else stages[0],
+            m,
+            loss_fn=loss_fn,
+            overlap_p2p=overlap_p2p,
+            overlap_b_f=overlap_b_f,
+        )
+    else:
+        import torch.distributed.pipelining as tp
+
+        tcls = {
+            "gpipe": tp.ScheduleGPipe,
+            "1f1b": tp.Schedule1F1B,
+            "interleaved_1f1b": tp.ScheduleInterleaved1F1B,
+            "zbv": tp.ScheduleZBVZeroBubble,
+        }[name]
+        stages = [tp.PipelineStage(mods[s], s, n_stages, torch.device("cpu")) for s in mine]
+        sched = tcls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
+    params = [p for mod in mods.values() for p in mod.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    out_losses = []
+    for x, y in batches(STEPS, batch * dp):
+        x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+        opt.zero_grad()
+        losses = []
+        args = (x,) if 0 in mods else ()
+        kw = {"target": y, "losses": losses} if n_stages - 1 in mods else {}
+        sched.step(*args, **kw)
+        out_losses.append([float(v) for v in losses])
+        grads = {
+            mods[s].names[n]: _full(p.grad)
+            for s in mine
+            for n, p in mods[s].named_parameters()
+            if p.grad is not None
+        }
+        opt.step()
+    final = {
+        mods[s].names[n]: _full(p.detach()) for s in mine for n, p in mods[s].named_parameters()
+    }
+    return out_losses, grads, final
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, hp.DTensor) else t.clone()
+
+
+def _check(results, name, m, batch, dp=1):
+    pp = len(results) // dp
+    v = OURS[name][1]
+    ref_losses, ref_grads, ref_params = reference(pp * v, batches(STEPS, batch * dp), LR)
+    step_losses = [r[0] for r in results if r[0] and r[0][0]]
+    assert len(step_losses) == dp
+    for k in range(STEPS):
+        got = sum(sum(sl[k]) / m for sl in step_losses) / dp
+        assert got == pytest.approx(ref_losses[k], rel=1e-5), (k, got, ref_losses[k])
+    seen = set()
+    for _, grads, params in results:
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=1e-4, atol=1e-5, msg=n)
+            seen.add(n)
+    assert seen == set(ref_params), set(ref_params) - seen
+
+
+@pytest.mark.parametrize("name", list(OURS))
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+def test_two_ranks_match_one_process(pool2, name, overlap_p2p):
+    m, batch = 4, 8
+    _check(pool2.run(_run, name, m, batch, overlap_p2p=overlap_p2p), name, m, batch)
+
+
+@pytest.mark.parametrize("name", list(OURS))
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+def test_four_ranks_match_one_process(pool4, name, overlap_p2p):
+    m, batch = 8, 8
+    _check(pool4.run(_run, name, m, batch, overlap_p2p=overlap_p2p), name, m, batch)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
+def test_overlap_b_f_matches_one_process(pool2, name):
+    m, batch = 4, 8
+    _check(pool2.run(_run, name, m, batch, overlap_b_f=True, overlap_p2p=True), name, m, batch)
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_pp2_x_fsdp2_matches_one_process(pool4, name):
+    m, batch = 4, 4
+    _check(pool4.run(_run, name, m, batch, fsdp=True), name, m, batch, dp=2)
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_same_as_torch_pipelining(pool2, name):
+    m, batch = 4, 8
+    ours = pool2.run(_run, name, m, batch)
+    theirs = pool2.run(_run, name, m, batch, impl="torch")
+    for (lo, go, po), (lt, gt, pt) in zip(ours, theirs):
+        assert len(lo) == len(lt)
+        for a, b in zip(lo, lt):
+            assert a == pytest.approx(b, rel=1e-5)
+        assert go.keys() == gt.keys() and po.keys() == pt.keys()
+        for n in go:
+            torch.testing.assert_close(go[n], gt[n], rtol=1e-4, atol=1e-6, msg=n)
+        for n in po:
+            torch.testing.assert_close(po[n], pt[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _bad_batch():
+    n_stages = dist.get_world_size()
+    rank = dist.get_rank()
+    mod = split(make_model(n_stages), n_stages)[rank]
+    sched = Schedule1F1B(PipelineStage(mod, rank, n_stages), 4, loss_fn=loss_fn)
+    x, y = batches(1, 6)[0]
+    try:
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+    except PipelineError as e:
+        return str(e)
+    return None
+
+
+def test_indivisible_batch_is_a_clear_error_on_every_rank(pool2):
+    msgs = pool2.run(_bad_batch)
+    for msg in msgs:
+        assert msg is not None and "n_microbatches=4" in msg and "batch size 6" in msg
+
+
+def _count_fsdp_collectives(name):
+    """PP 2 x FSDP 2: how many all-gathers and reduce-scatters each group runs per step."""
+    import hp_fsdp._group as G
+
+    counts = {"gather": {}, "reduce": {}}
+    orig_copy, orig_reduce = G.ParamGroup._copy_out, G.ParamGroup._start_reduce
+
+    def copy_out(self, *a, **k):
+        counts["gather"][self.index] = counts["gather"].get(self.index, 0) + 1
+        return orig_copy(self, *a, **k)
+
+    def start_reduce(self, *a, **k):
+        counts["reduce"][self.index] = counts["reduce"].get(self.index, 0) + 1
+        return orig_reduce(self, *a, **k)
+
+    G.ParamGroup._copy_out, G.ParamGroup._start_reduce = copy_out, start_reduce
+    try:
+        _run(name, 4, 4, fsdp=True)
+    finally:
+        G.ParamGroup._copy_out, G.ParamGroup._start_reduce = orig_copy, orig_reduce
+    return counts
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_fsdp_stages_gather_and_reduce_once_per_step(pool4, name):
+    for counts in pool4.run(_count_fsdp_collectives, name):
+        assert counts["gather"] and set(counts["gather"].values()) == {STEPS}, counts
+        assert counts["reduce"] and set(counts["reduce"].values()) == {STEPS}, counts
+
+
+def _timeline_run(name, outdir):
+    import os
+
+    from hp_pipeline import plot_timeline, to_chrome_trace
+
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    cls, v = OURS[name]
+    n_stages = pp * v
+    placement = build_schedule(name, pp, 4)[1]
+    every = split(make_model(n_stages), n_stages)
+    mine = [s for s in range(n_stages) if placement[s] == rank]
+    stages = [PipelineStage(every[s], s, n_stages) for s in mine]
+    sched = cls(stages if v > 1 else stages[0], 4, loss_fn=loss_fn, record_timeline=True)
+    x, y = batches(1, 8)[0]
+    sched.step(*((x,) if 0 in mine else ()), **({"target": y} if n_stages - 1 in mine else {}))
+    events = sched.timeline
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, events)
+    allev = [e for evs in gathered for e in evs]
+    if rank == 0:
+        to_chrome_trace(allev, os.path.join(outdir, "trace.json"))
+        plot_timeline(allev, os.path.join(outdir, "timeline.png"))
+    return [str(e.step) for e in events], sched.bubble_fraction(), [str(s) for s in sched.steps]
+
+
+def test_timeline_of_a_real_run(pool2, tmp_path):
+    import json
+
+    for steps_run, bubble, steps in pool2.run(_timeline_run, "1f1b", str(tmp_path)):
+        assert [x for x in steps_run if not x.startswith("wait ")] == steps  # one per step
+        assert 0.0 <= bubble < 1.0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert "0F0" in names and "1FULL_B3" in names
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _wrong_stage():
+    rank = dist.get_rank()
+    mod = split(make_model(2), 2)[1 - rank]
+    try:
+        Schedule1F1B(PipelineStage(mod, 1 - rank, 2), 4, loss_fn=loss_fn)
+    except PipelineError as e:
+        return str(e)
+
+
+def test_stage_on_the_wrong_rank_is_a_clear_error(pool2):
+    msgs = pool2.run(_wrong_stage)
+    assert "rank 0 must hold stages [0]" in msgs[0]
+    assert "rank 1 must hold stages [1]" in msgs[1]
+
+
+def test_stage_arguments_are_checked():
+    mod = split(make_model(2), 2)[0]
+    with pytest.raises(PipelineError, match="stage_index"):
+        PipelineStage(mod, 2, 2)
+    with pytest.raises(PipelineError, match="num_stages"):
+        PipelineStage(mod, 0, 0)
+    with pytest.raises(PipelineError, match="nn.Module"):
+        PipelineStage(lambda x: x, 0, 1)
