@@ -4,7 +4,7 @@ The model is split into 2 stages per rank count (GPipe, 1F1B: one stage per rank
 1F1B and ZBV: two per rank); both libraries run the same split, data and optimizer (AdamW) in
 one launch, interleaved repeat by repeat. Prints, per schedule, the median step time, tokens/s
 per GPU, the ratio (ours / PyTorch; target >= 1.0) and peak memory per rank, then our measured
-bubble (one extra step with a recorded timeline).
+bubble (one extra step with a recorded timeline, mean over ranks).
 
     python benchmarks/pipeline/llama.py                       # CPU: 2 gloo ranks, tiny model
     torchrun --nproc_per_node=2 benchmarks/pipeline/llama.py --device cuda --dim 2048 \\
@@ -107,14 +107,15 @@ def _run(rank, world, args, path, queue):
         mine = [s for s in range(n) if placement[s] == rank]
         bounds = [round(i * args.layers / n) for i in range(n + 1)]
         runs = {}
-        for impl in ("torch", "ours"):
+        impls = ("torch", "ours", "ours_ov") if args.overlap else ("torch", "ours")
+        for impl in impls:
             mods = {
                 s: Stage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev) for s in mine
             }
-            if impl == "ours":
+            if impl.startswith("ours"):
                 stages = [hpp.PipelineStage(mods[s], s, n, device=dev) for s in mine]
                 sched = ours_cls[name](
-                    stages if v > 1 else stages[0], m, loss_fn=_loss, overlap_p2p=args.overlap
+                    stages if v > 1 else stages[0], m, loss_fn=_loss, overlap_p2p=impl == "ours_ov"
                 )
             else:
                 stages = [tpp.PipelineStage(mods[s], s, n, dev) for s in mine]
@@ -152,11 +153,16 @@ def _run(rank, world, args, path, queue):
                 times[k].append((time.perf_counter() - t0) / args.iters)
                 if cuda:
                     peak[k] = max(peak[k], torch.cuda.max_memory_allocated() / 2**30)
+        if args.profile:
+            _profile(args, rank, name, runs, step)
         sched = runs["ours"][0]
+        sync()
         sched.record_timeline = True
         step("ours")
         sched.record_timeline = False
         bubble = sched.bubble_fraction()
+        if args.trace and rank == 0:
+            hpp.to_chrome_trace(sched.timeline, os.path.join(args.trace, f"{name}_rank0.json"))
         results[name] = {k: (statistics.median(times[k]), peak[k]) for k in runs}
         results[name]["bubble"] = bubble
         del runs, sched, step
@@ -165,12 +171,31 @@ def _run(rank, world, args, path, queue):
     finish(rank, world, args, results, queue, _report)
 
 
+def _profile(args, rank, name, runs, step):
+    """One profiled step of each implementation: the top operators by self CPU and GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    for k in runs:
+        with profile(activities=acts) as prof:
+            step(k)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        if rank == 0:
+            path = os.path.join(args.profile, f"{name}_{k}.txt")
+            with open(path, "w") as f:
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    if key == "self_device_time_total" and args.device != "cuda":
+                        continue
+                    f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+
+
 def _report(args, world, results):
     tokens = args.microbatches * args.mb_size * args.seq
     print(
         f"pipeline Llama-style fwd+bwd+AdamW, {args.device}, {world} ranks, dim {args.dim}, "
         f"{args.layers} layers, vocab {args.vocab}, {args.microbatches} microbatches of "
-        f"{args.mb_size}x{args.seq}, bf16 autocast={args.bf16}, overlap_p2p={args.overlap}, "
+        f"{args.mb_size}x{args.seq}, bf16 autocast={args.bf16}, overlap_p2p also={args.overlap}, "
         f"torch {torch.__version__}; median of {args.repeats} x {args.iters}"
     )
     print(
@@ -179,16 +204,19 @@ def _report(args, world, results):
     )
     for name in args.schedules:
         rows = {}
-        for k in ("torch", "ours"):
+        impls = [k for k in ("torch", "ours", "ours_ov") if k in results[0][name]]
+        for k in impls:
             med = max(r[name][k][0] for r in results.values())
             peaks = " / ".join(f"{results[r][name][k][1]:.1f}" for r in sorted(results))
             rows[k] = med
-            bub = max(r[name]["bubble"] for r in results.values()) if k == "ours" else None
+            bubs = [r[name]["bubble"] for r in results.values()]
+            bub = sum(bubs) / len(bubs) if k == "ours" else None
             print(
                 f"{name:18s} {k:6s} {med * 1e3:9.1f} {tokens / med / world:10.0f} {peaks:>22s} "
                 + (f"{bub:7.3f}" if bub is not None else f"{'-':>7s}")
             )
-        print(f"{name:18s} ratio ours/PyTorch: {rows['torch'] / rows['ours']:.3f}")
+        for k in impls[1:]:
+            print(f"{name:18s} ratio {k}/PyTorch: {rows['torch'] / rows[k]:.3f}")
 
 
 def main(argv=None) -> int:
@@ -204,7 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--mb-size", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 parameters)")
-    ap.add_argument("--overlap", action="store_true", help="overlap_p2p=True for ours")
+    ap.add_argument("--overlap", action="store_true", help="also ours with overlap_p2p=True")
+    ap.add_argument("--profile", default="", help="folder for torch.profiler tables (rank 0)")
+    ap.add_argument("--trace", default="", help="folder for our timeline's Chrome trace")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)

@@ -38,6 +38,7 @@ from ._schedules import (
     fuse_overlap_b_f,
     gpipe_steps,
     interleaved_1f1b_steps,
+    merge_adjacent_b_w,
     one_f_one_b_steps,
     zbv_steps,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "gpipe_steps",
     "interleaved_1f1b_steps",
     "looped_placement",
+    "merge_adjacent_b_w",
     "one_f_one_b_steps",
     "parse_schedule",
     "plan_from_profile",

@@ -28,6 +28,7 @@ __all__ = [
     "fuse_overlap_b_f",
     "gpipe_steps",
     "interleaved_1f1b_steps",
+    "merge_adjacent_b_w",
     "one_f_one_b_steps",
     "zbv_steps",
 ]
@@ -264,6 +265,36 @@ def add_unshard_reshard(schedule: Mapping[int, Sequence[MetaStep]]) -> Schedule:
     return out
 
 
+def merge_adjacent_b_w(
+    compute: Mapping[int, Sequence[MetaStep]], placement: Placement | None = None
+) -> Schedule:
+    """Turn a B immediately followed by the W of the same stage and microbatch into one
+    FULL_B where that delays nothing: the split pays where the W moves into a bubble or where
+    the input gradient goes to another rank (sent between B and W); each split costs a second
+    pass over the stage's autograd graph. With a ``placement``, pairs whose input gradient
+    crosses ranks stay split."""
+    out: Schedule = {}
+    for r, steps in compute.items():
+        new: list[MetaStep] = []
+        for st in steps:
+            prev = new[-1] if new else None
+            local = (
+                placement is None or st.stage == 0 or placement[st.stage - 1] == placement[st.stage]
+            )
+            if (
+                st.type is W
+                and local
+                and prev is not None
+                and prev.type is B
+                and (prev.stage, prev.microbatch) == (st.stage, st.microbatch)
+            ):
+                new[-1] = MetaStep(FULL_B, st.stage, st.microbatch)
+            else:
+                new.append(st)
+        out[r] = new
+    return out
+
+
 def fuse_overlap_b_f(compute: Mapping[int, Sequence[MetaStep]]) -> Schedule:
     """Fuse each backward (B or FULL_B) immediately followed by a forward of another microbatch
     on the same rank into one OVERLAP_B_F step: the steady state of 1F1B, interleaved and ZBV,
@@ -313,10 +344,13 @@ def build_schedule(
     overlap_p2p: bool = False,
     overlap_b_f: bool = False,
     shard_steps: bool = False,
+    split_bw: bool = False,
 ) -> tuple[Schedule, Placement]:
     """The full per-rank step lists of a named schedule and its stage placement.
 
-    ``name`` is one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``.
+    ``name`` is one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``. ZBV runs a B and
+    the W right after it as one FULL_B where its input gradient stays on the rank, unless
+    ``split_bw`` (:func:`merge_adjacent_b_w`).
     """
     key = name.lower()
     if key not in SCHEDULES:
@@ -334,6 +368,8 @@ def build_schedule(
         compute = interleaved_1f1b_steps(pp, n_microbatches, v)
     else:
         compute = zbv_steps(pp, n_microbatches)
+        if not split_bw:
+            compute = merge_adjacent_b_w(compute, v_placement(pp))
     placement = v_placement(pp) if key == "zbv" else looped_placement(v * pp, pp)
     if overlap_b_f:
         compute = fuse_overlap_b_f(compute)

@@ -4,6 +4,8 @@ flavours (input gradient B, weight gradient W, both at once FULL_B)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -41,9 +43,9 @@ class _Chunk:
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None = None
     input_grads: list[torch.Tensor | None] | None = None
-    weight_roots: list[tuple[object, list[torch.Tensor | None], list[torch.Tensor]]] = field(
+    weight_roots: list[tuple[object, list, list[tuple[int, GradientEdge]]]] = field(
         default_factory=list
-    )  # W: (graph node, grads at its outputs, parameters below it)
+    )  # W: (cut node, the gradients it received, its parameter branches: (input slot, edge))
     plain_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -66,6 +68,7 @@ class PipelineStage:
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         input_args: tuple | None = None,
+        activation_hooks: Callable[[int], AbstractContextManager] | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise PipelineError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -81,6 +84,9 @@ class PipelineStage:
         self.input_meta: list[tuple[torch.Size, torch.dtype]] | None = None
         if input_args is not None:
             self.input_meta = [_meta_of(a) for a in _as_tuple(input_args)]
+        if activation_hooks is not None and not callable(activation_hooks):
+            raise PipelineError("activation_hooks must be a callable: microbatch -> context")
+        self.activation_hooks = activation_hooks
         self._chunks: dict[int, _Chunk] = {}
         self.sharded = isinstance(module, ShardedModule)
 
@@ -110,7 +116,11 @@ class PipelineStage:
         ins: list[torch.Tensor] = []
         if not self.is_first:
             args = tuple(_leaf(a, ins) for a in args)
-        out = self.module(*args, **(kwargs or {}))
+        if self.activation_hooks is None:
+            out = self.module(*args, **(kwargs or {}))
+        else:
+            with self.activation_hooks(mb):
+                out = self.module(*args, **(kwargs or {}))
         outs = list(_as_tuple(out))
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -174,30 +184,44 @@ class PipelineStage:
             for h in handles:
                 h.remove()
         c.weight_roots = [
-            (node, list(captured[node]), params) for node, params in cuts if node in captured
+            (node, list(captured[node]), branch) for node, branch in cuts if node in captured
         ]
         c.plain_roots = [(o, g) for o, g in zip(outs, gs) if o.grad_fn not in on_path]
         c.input_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(dx, c.inputs)]
         return c.input_grads
 
     def backward_weight(self, mb: int) -> None:
-        """W: the weight gradients of ``mb`` from what :meth:`backward_input` kept."""
+        """W: the weight gradients of ``mb`` from what :meth:`backward_input` kept.
+
+        Each cut node runs again from the gradient it received, asked only for its parameter
+        branches (so its input-side outputs are not computed and nothing upstream is
+        revisited); then those branches run down to the parameters in one backward, together
+        with the outputs that never reached an input (the whole backward of a first stage).
+        One call per cut node: one call for all of them would feed each node the gradient of
+        the nodes above it a second time.
+        """
         c = self._chunks.pop(mb)
         if c.input_grads is None:
             raise PipelineError(f"stage {self.stage_index}: W of {mb} before its B")
-        for node, grads_out, params in c.weight_roots:
-            edges, gs = [], []
-            for i, g in enumerate(grads_out):
+        tails, tail_grads = [], []
+        for node, grads_out, branch in c.weight_roots:
+            if _matmul_weight_grads(node, grads_out, branch, tails, tail_grads):
+                continue
+            roots = [GradientEdge(node, i) for i, g in enumerate(grads_out) if g is not None]
+            if not roots:
+                continue
+            gs = [g for g in grads_out if g is not None]
+            edges = [e for _, e in branch]
+            got = torch.autograd.grad(roots, edges, gs, allow_unused=True)
+            for e, g in zip(edges, got):
                 if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    gs.append(g)
-            if edges and params:
-                torch.autograd.backward(edges, gs, inputs=params, retain_graph=True)
-        if c.plain_roots:
-            ts = [o for o, _ in c.plain_roots]
-            gs = [g for _, g in c.plain_roots]
-            gs = [None if g is None else g for g in gs]
-            torch.autograd.backward(ts, gs)
+                    tails.append(e)
+                    tail_grads.append(g)
+        for o, g in c.plain_roots:
+            tails.append(o)
+            tail_grads.append(g)
+        if tails:
+            torch.autograd.backward(tails, tail_grads)
 
     def clear(self) -> None:
         """Drop every microbatch's state (after a failed step)."""
@@ -241,26 +265,53 @@ def _split_graph(outputs, inputs):
     for n in order:
         if n not in on_path:
             continue
-        branch = [c for c, _ in n.next_functions if c is not None and c not in on_path]
+        branch = [
+            (j, GradientEdge(c, nr))
+            for j, (c, nr) in enumerate(n.next_functions)
+            if c is not None and c not in on_path
+        ]
         if branch:
-            params = _leaves_below(branch)
-            if params:
-                cuts.append((n, params))
+            cuts.append((n, branch))
     return on_path, cuts, None
 
 
-def _leaves_below(nodes) -> list[torch.Tensor]:
-    out, seen, todo = [], set(), deque(nodes)
-    while todo:
-        n = todo.popleft()
-        if n in seen:
-            continue
-        seen.add(n)
-        var = getattr(n, "variable", None)
-        if var is not None:
-            out.append(var)
-        todo.extend(c for c, _ in n.next_functions if c is not None)
-    return out
+def _matmul_weight_grads(node, grads_out, branch, tails, tail_grads) -> bool:
+    """The weight gradient of a matmul cut node (``x @ W.t()``, ``bias + x @ W.t()``: every
+    linear layer) from its saved input, as one matrix product launched here instead of an
+    autograd call per node; the branch below (transpose, dtype cast, accumulation) runs with
+    the others. False for any other node: it then goes through autograd."""
+    kind = type(node).__name__
+    g = grads_out[0] if len(grads_out) == 1 else None
+    if g is None:
+        return False
+    slots = dict(branch)
+    if kind == "MmBackward0" and set(slots) == {1}:
+        tails.append(slots[1])  # grad of mat2 (W^T) = x^T g
+        tail_grads.append(node._saved_self.t().mm(g))
+        return True
+    if kind == "AddmmBackward0" and 2 in slots and set(slots) <= {0, 2}:
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return False
+        bias = None
+        if 0 in slots:  # the bias, broadcast over rows: its gradient sums them
+            edge = slots[0]
+            try:
+                shape = tuple(edge.node._input_metadata[edge.output_nr].shape)
+            except (AttributeError, IndexError):  # no metadata: autograd decides
+                return False
+            if shape == tuple(g.shape):
+                bias = g
+            elif shape == (g.shape[-1],):
+                bias = g.sum(0)
+            else:
+                return False
+        tails.append(slots[2])
+        tail_grads.append(node._saved_mat1.t().mm(g))
+        if bias is not None:
+            tails.append(slots[0])
+            tail_grads.append(bias)
+        return True
+    return False
 
 
 def _leaf(a, ins: list):

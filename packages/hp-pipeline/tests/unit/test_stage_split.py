@@ -1,0 +1,107 @@
+"""PipelineStage's split backward (B then W) gives exactly the gradients of one backward, on one
+process, for layers that take the matmul fast path and for those that go through autograd."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hp_pipeline._stage as stage_mod
+from hp_pipeline import PipelineStage
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(12)
+        self.up = nn.Linear(12, 20)  # addmm with bias
+        self.down = nn.Linear(20, 12, bias=False)  # mm
+        self.scale = nn.Parameter(torch.rand(12) + 0.5)  # an elementwise weight
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x)))) * self.scale
+
+
+class Model(nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.emb = nn.Embedding(17, 12) if first else None
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(self.emb(x) if self.emb is not None else x)
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_b_then_w_equals_full_backward(first, autocast, monkeypatch):
+    torch.manual_seed(0)
+    ref = Model(first)
+    model = Model(first)
+    model.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 17, (3, 5)) if first else torch.randn(3, 5, 12)
+    g = torch.randn(3, 5, 12)
+    fast = []
+    real = stage_mod._matmul_weight_grads
+    monkeypatch.setattr(
+        stage_mod, "_matmul_weight_grads", lambda *a: fast.append(real(*a)) or fast[-1]
+    )
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    st_full = PipelineStage(ref, 1 - first, 2, device="cpu")
+    st = PipelineStage(model, 1 - first, 2, device="cpu")
+    with ctx:
+        st_full.forward_one_chunk(0, (x,))
+        st.forward_one_chunk(0, (x,))
+    dx_full = st_full.backward_full(0, (g,))
+    dx = st.backward_input(0, (g,))
+    assert all(p.grad is None for p in model.parameters())  # B computes no weight gradient
+    st.backward_weight(0)
+    for a, b in zip(dx, dx_full):
+        torch.testing.assert_close(a, b)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    if not first:  # stages with an input: the linear layers took the fast path
+        assert fast.count(True) == 4, fast
+
+
+def test_w_before_b_is_an_error():
+    st = PipelineStage(Model(False), 1, 2)
+    st.forward_one_chunk(0, (torch.randn(2, 3, 12),))
+    with pytest.raises(Exception, match="before its B"):
+        st.backward_weight(0)
+
+
+def test_activation_hooks_wrap_each_forward():
+    seen = []
+
+    class Hooks:
+        def __init__(self, mb):
+            self.mb = mb
+
+        def __enter__(self):
+            seen.append(("pack", self.mb))
+            self.ctx = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: ("cpu", t.clone()), lambda p: p[1]
+            )
+            self.ctx.__enter__()
+
+        def __exit__(self, *exc):
+            self.ctx.__exit__(*exc)
+
+    torch.manual_seed(0)
+    ref, model = Model(False), Model(False)
+    model.load_state_dict(ref.state_dict())
+    st = PipelineStage(model, 1, 2, activation_hooks=Hooks)
+    x, g = torch.randn(2, 3, 12), torch.randn(2, 3, 12)
+    for mb in range(2):
+        st.forward_one_chunk(mb, (x,))
+    for mb in range(2):
+        st.backward_input(mb, (g,))
+        st.backward_weight(mb)
+    (ref(x) * g).sum().mul(2).backward()
+    assert seen == [("pack", 0), ("pack", 1)]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(Exception, match="activation_hooks"):
+        PipelineStage(model, 1, 2, activation_hooks=3)
