@@ -393,6 +393,9 @@ class ParamGroup:
         if self._pf is not None:
             self._unshard_from_post_forward()
         self.unshard()
+        # the module holds its unsharded parameters during its backward, as during forward:
+        # activation checkpointing runs the forward again in there
+        self.swap_in()
         prefetch = self.backward_prefetch
         if not prefetch and self in _FORWARD_ORDER:
             # implicitly: the group whose forward ran just before this one's
@@ -411,6 +414,8 @@ class ParamGroup:
         every parameter gradient of the group is accumulated: start the reduce-scatter now, so
         it runs while backward computes the earlier groups."""
         self._left -= 1
+        if self._left == 0 and self.swapped_in:
+            self.swap_out()
         if self._left == 0 and self.sync and self in _PENDING and self._rs is None:
             self._start_reduce()
             if self.reshard_after_backward:
@@ -419,6 +424,8 @@ class ParamGroup:
     # -- reduce-scatter --------------------------------------------------------------------
     def post_backward(self) -> None:
         """End of backward: finish (or do) the reduction, then reshard."""
+        if self.swapped_in:
+            self.swap_out()
         if self.sync and self.entries:
             if self._rs is None:
                 self._start_reduce()

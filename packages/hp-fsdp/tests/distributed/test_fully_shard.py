@@ -478,3 +478,44 @@ def _review_cases():
 def test_review_cases_tied_frozen_unused_aux(pool2):
     for res in pool2.run(_review_cases):
         assert res == {"mixed_usage": True, "tied": True, "tie_across": True}
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block whose forward runs under non-reentrant activation checkpointing."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+def _run_checkpointed(steps=3):
+    """fully_shard over checkpointed blocks: backward recomputes each block's forward, which
+    needs the module's unsharded parameters in place during its backward."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = TinyLlama()
+    model = TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = _Checkpointed(layer)
+    mesh = hp.init_device_mesh("cpu", (world,))
+    _shard(model, mesh, "ours")
+    for step in range(steps):
+        ids, tgt = _batch(step, world)
+        mine = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+        F.cross_entropy(model(ids[mine]).flatten(0, 1), tgt[mine].flatten()).backward()
+        F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6)
+        assert all(
+            not isinstance(p, hp.DTensor) or p.to_local().numel() < p.numel()
+            for p in model.parameters()
+        )  # sharded again after backward
+    return True
+
+
+def test_activation_checkpointing_inside_fully_shard(pool2):
+    assert pool2.run(_run_checkpointed) == [True, True]

@@ -1,0 +1,34 @@
+"""hp_offload: activation memory. Selective activation checkpointing (``checkpoint``,
+``checkpoint_wrapper``, ``CheckpointPolicy``), activation swap to host memory with prefetch
+(``swap``, ``swap_wrapper``, ``SwapManager``), and both configured per layer (``OffloadPlan``).
+"""
+
+from ._checkpoint import CheckpointPolicy, OffloadError, checkpoint, checkpoint_wrapper
+from ._plan import OffloadPlan, apply_offload_plan
+from ._swap import (
+    SwapManager,
+    SwapPolicy,
+    SwapStats,
+    default_manager,
+    swap,
+    swap_tensor_wrapper,
+    swap_wrapper,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointPolicy",
+    "OffloadError",
+    "OffloadPlan",
+    "SwapManager",
+    "SwapPolicy",
+    "SwapStats",
+    "apply_offload_plan",
+    "checkpoint",
+    "checkpoint_wrapper",
+    "default_manager",
+    "swap",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
+]

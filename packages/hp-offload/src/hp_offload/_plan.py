@@ -1,0 +1,122 @@
+"""``OffloadPlan``: checkpoint and swap configured together, per module name pattern."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ._checkpoint import CheckpointPolicy, OffloadError, checkpoint_wrapper
+from ._swap import SwapManager, SwapPolicy, swap_wrapper
+
+__all__ = ["OffloadPlan", "apply_offload_plan"]
+
+_RANGE = re.compile(r"^(?P<head>.*?)(?P<lo>\d+)-(?P<hi>\d+)(?P<tail>.*)$")
+
+
+def _expand(pattern: str) -> list[str]:
+    """``"layers.0-3"`` -> ``["layers.0", ..., "layers.3"]``; other patterns as they are
+    (wildcards allowed)."""
+    m = _RANGE.match(pattern)
+    if not m:
+        return [pattern]
+    lo, hi = int(m["lo"]), int(m["hi"])
+    if hi < lo:
+        raise OffloadError(f"pattern {pattern!r}: range {lo}-{hi} is empty")
+    return [f"{m['head']}{i}{m['tail']}" for i in range(lo, hi + 1)]
+
+
+def _regex(pattern: str) -> re.Pattern:
+    """A name pattern as a regex: ``*`` and ``?`` stay within one dotted component."""
+    out = "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in pattern)
+    return re.compile(out)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Module-name patterns -> what to do with the matched modules' activations.
+
+    Values: ``"checkpoint"`` (full), ``"swap"``, a :class:`CheckpointPolicy` or a
+    :class:`SwapPolicy`. Patterns are module names, wildcards (``*``/``?`` within one dotted
+    part), or ranges (``"layers.0-11"``). No module may be matched by two patterns, nor sit
+    inside another matched module.
+    """
+
+    rules: Mapping[str, object]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rules, Mapping) or not self.rules:
+            raise OffloadError("OffloadPlan needs a non-empty {pattern: action} mapping")
+        for pat, action in self.rules.items():
+            if not isinstance(pat, str) or not pat:
+                raise OffloadError(f"pattern {pat!r} must be a non-empty string")
+            if not (
+                action in ("checkpoint", "swap")
+                or isinstance(action, (CheckpointPolicy, SwapPolicy))
+            ):
+                raise OffloadError(
+                    f"pattern {pat!r}: action must be 'checkpoint', 'swap', a CheckpointPolicy or"
+                    f" a SwapPolicy, got {action!r}"
+                )
+
+    def resolve(self, model: nn.Module) -> dict[str, object]:
+        """Module name -> action, after checking that patterns neither overlap nor nest."""
+        names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+        chosen: dict[str, tuple[str, object]] = {}
+        for pat, action in self.rules.items():
+            rx = [_regex(p) for p in _expand(pat)]
+            hits = [n for r in rx for n in names if r.fullmatch(n)]
+            if not hits:
+                raise OffloadError(f"pattern {pat!r} matches no module of {type(model).__name__}")
+            for n in dict.fromkeys(hits):
+                if n in chosen:
+                    raise OffloadError(
+                        f"module {n!r} is matched by two patterns: {chosen[n][0]!r} and {pat!r}"
+                    )
+                chosen[n] = (pat, action)
+        for a in chosen:
+            for b in chosen:
+                if a != b and b.startswith(a + "."):
+                    raise OffloadError(
+                        f"module {b!r} ({chosen[b][0]!r}) lies inside {a!r} ({chosen[a][0]!r}); "
+                        "patterns must not nest"
+                    )
+        return {n: act for n, (_, act) in chosen.items()}
+
+
+def apply_offload_plan(
+    model: nn.Module, plan: OffloadPlan, *, manager: SwapManager | None = None
+) -> nn.Module:
+    """Wrap the modules the plan names, in place; returns ``model``.
+
+    A module reachable under several names (shared) is wrapped once. For a
+    :class:`CheckpointPolicy` with ``every=k``, only every k-th matched module (in model order)
+    is checkpointed.
+    """
+    if not isinstance(plan, OffloadPlan):
+        raise OffloadError(f"plan must be an OffloadPlan, got {type(plan).__name__}")
+    actions = plan.resolve(model)
+    by_policy: dict[int, int] = {}
+    done: dict[int, nn.Module] = {}
+    for name, action in actions.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        mod = getattr(parent, child)
+        if id(mod) in done:
+            setattr(parent, child, done[id(mod)])
+            continue
+        if action == "swap" or isinstance(action, SwapPolicy):
+            pol = action if isinstance(action, SwapPolicy) else None
+            new = swap_wrapper(mod, manager=manager, policy=pol)
+        else:
+            pol = action if isinstance(action, CheckpointPolicy) else CheckpointPolicy()
+            k = by_policy.get(id(action), 0)
+            by_policy[id(action)] = k + 1
+            if k % pol.every:
+                continue
+            new = checkpoint_wrapper(mod, policy=pol)
+        done[id(mod)] = new
+        setattr(parent, child, new)
+    return model
