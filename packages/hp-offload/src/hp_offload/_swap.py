@@ -196,6 +196,8 @@ class SwapManager:
                 )
             if self._held + nbytes > self.budget_bytes:  # full: this one stays on the device
                 return t
+        if self._groups and self._groups[0].pending:
+            self._drain_finished()
         h = _Handle(group, t)
         group.handles.append(weakref.ref(h))
         self._track(nbytes)
@@ -270,6 +272,7 @@ class SwapManager:
     def _unpack(self, h):
         if not isinstance(h, _Handle):
             return h
+        self._drain_finished()  # device copies whose transfer is done: free them now
         g = h.group
         if not g.restored:
             self._restore(g)
