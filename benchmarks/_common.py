@@ -17,7 +17,40 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["finish", "init_rank", "launch"]
+__all__ = ["add_model_args", "add_timing_args", "finish", "init_rank", "launch", "model_config"]
+
+
+def add_model_args(ap, *, seq: int = 64, kv_heads: int = 2) -> None:
+    """``--device`` and the Llama-style model's shape (tiny by default, for CPU runs; pass the
+    anchor's shapes on GPUs)."""
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=kv_heads)
+    ap.add_argument("--hidden", type=int, default=344)
+    ap.add_argument("--seq", type=int, default=seq)
+
+
+def add_timing_args(ap, *, repeats: int = 5) -> None:
+    """Warm-up steps, steps per timed repeat, repeats (the median is reported)."""
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=repeats)
+
+
+def model_config(args) -> dict:
+    """``TinyLlama`` keyword arguments from :func:`add_model_args`' options."""
+    return dict(
+        vocab=args.vocab,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=args.hidden,
+        seq=args.seq,
+    )
 
 
 def init_rank(rank: int, world: int, path: str | None, threads: int = 1) -> None:

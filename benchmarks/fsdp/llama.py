@@ -22,13 +22,18 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import finish, init_rank, launch  # noqa: E402
+from _common import (  # noqa: E402
+    add_model_args,
+    add_timing_args,
+    finish,
+    init_rank,
+    launch,
+    model_config,
+)
 
 
 def _run(rank, world, args, path, queue):
-    from tiny_llama import TinyLlama
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -36,6 +41,7 @@ def _run(rank, world, args, path, queue):
 
     import hp_dtensor as hp
     from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from hp_testing.models import TinyLlama
 
     warnings.simplefilter("ignore")
     init_rank(rank, world, path, args.threads)
@@ -46,15 +52,7 @@ def _run(rank, world, args, path, queue):
     )
     if args.device == "cuda":
         torch.cuda.set_device(dev)
-    cfg = dict(
-        vocab=args.vocab,
-        dim=args.dim,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        hidden=args.hidden,
-        seq=args.seq,
-    )
+    cfg = model_config(args)
     runs = {}
     for kind in ("ours", "torch"):
         torch.manual_seed(0)
@@ -130,20 +128,11 @@ def _report(args, world, results):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=344)
-    ap.add_argument("--seq", type=int, default=64)
+    add_model_args(ap, seq=64, kv_heads=2)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy for both")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_timing_args(ap, repeats=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     return launch(_run, _report, args, world=2)

@@ -24,30 +24,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import add_model_args, add_timing_args, model_config  # noqa: E402
 
 MODES = ["none", "checkpoint", "selective", "swap", "swap_half", "save_on_cpu"]
 
 
 def main(argv=None) -> int:
-    from tiny_llama import TinyLlama
-
     from hp_offload import CheckpointPolicy, SwapManager, checkpoint
+    from hp_testing.models import TinyLlama
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=344)
-    ap.add_argument("--seq", type=int, default=256)
+    add_model_args(ap, seq=256, kv_heads=4)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_timing_args(ap, repeats=3)
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -55,15 +45,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     with torch.device(dev):
-        model = TinyLlama(
-            vocab=args.vocab,
-            dim=args.dim,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            hidden=args.hidden,
-            seq=args.seq,
-        ).to(dtype)
+        model = TinyLlama(**model_config(args)).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
     mgr = SwapManager()
@@ -85,10 +67,7 @@ def main(argv=None) -> int:
                 x = layer(x, model.cos, model.sin)
         return model.out(model.norm(x))
 
-    def step(mode):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+    def forward_backward(mode):
         ctx = (
             torch.autograd.graph.save_on_cpu(pin_memory=cuda)
             if mode == "save_on_cpu"
@@ -97,6 +76,12 @@ def main(argv=None) -> int:
         with ctx:
             logits = forward(mode)
         F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+
+    def step(mode):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        forward_backward(mode)
         if cuda:  # activation memory: the forward + backward peak over what was there before
             act[mode] = max(act.get(mode, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
         opt.step()
@@ -111,14 +96,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
 
     def grads(mode):
-        ctx = (
-            torch.autograd.graph.save_on_cpu(pin_memory=cuda)
-            if mode == "save_on_cpu"
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            logits = forward(mode)
-        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+        forward_backward(mode)
         out = [p.grad.clone() for p in model.parameters()]
         opt.zero_grad(set_to_none=True)
         if mode.startswith("swap"):

@@ -27,9 +27,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "packages", "hp-fsdp", "tests", "distributed"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import finish, init_rank, launch  # noqa: E402
+from _common import (  # noqa: E402
+    add_model_args,
+    add_timing_args,
+    finish,
+    init_rank,
+    launch,
+    model_config,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 
@@ -63,9 +69,9 @@ def _loss(logits, target):
 def _run(rank, world, args, path, queue):
     import torch.distributed as dist
     import torch.distributed.pipelining as tpp
-    from tiny_llama import TinyLlama
 
     import hp_pipeline as hpp
+    from hp_testing.models import TinyLlama
 
     warnings.simplefilter("ignore")
     init_rank(rank, world, path, args.threads)
@@ -75,15 +81,7 @@ def _run(rank, world, args, path, queue):
     if cuda:
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
-    full = TinyLlama(
-        vocab=args.vocab,
-        dim=args.dim,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        hidden=args.hidden,
-        seq=args.seq,
-    )
+    full = TinyLlama(**model_config(args))
     m = args.microbatches
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (m * args.mb_size, args.seq), generator=g).to(dev)
@@ -221,14 +219,7 @@ def _report(args, world, results):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=344)
-    ap.add_argument("--seq", type=int, default=64)
+    add_model_args(ap, seq=64, kv_heads=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--mb-size", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 parameters)")
@@ -236,9 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="folder for torch.profiler tables (rank 0)")
     ap.add_argument("--trace", default="", help="folder for our timeline's Chrome trace")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_timing_args(ap, repeats=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     return launch(_run, _report, args, world=2)

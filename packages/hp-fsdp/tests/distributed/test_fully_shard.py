@@ -1,26 +1,20 @@
 """fully_shard against a single-device reference and against PyTorch's FSDP2 (2 and 4 ranks)."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hp_testing.pytest_plugin import rank_pool_fixture
-
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny_llama import TinyLlama  # noqa: E402
-
-import hp_dtensor as hp  # noqa: E402
-from hp_fsdp import (  # noqa: E402
+import hp_dtensor as hp
+from hp_fsdp import (
     CPUOffloadPolicy,
     FSDPError,
     HSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
 )
+from hp_testing.models import TinyLlama
+from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool4 = rank_pool_fixture(4)
 pool2 = rank_pool_fixture(2)

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from tiny_llama import TinyLlama
 
 import hp_dtensor as hp
 from hp_fsdp import fully_shard
 from hp_offload import CheckpointPolicy, OffloadPlan, SwapManager, apply_offload_plan
+from hp_testing.models import TinyLlama
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(2)

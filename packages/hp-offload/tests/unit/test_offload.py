@@ -6,7 +6,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from tiny_llama import TinyLlama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_offload import (
@@ -22,6 +21,7 @@ from hp_offload import (
     swap_tensor_wrapper,
     swap_wrapper,
 )
+from hp_testing.models import TinyLlama
 
 torch.use_deterministic_algorithms(True)
 

@@ -5,7 +5,8 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tiny_llama import TinyLlama
+
+from hp_testing.models import TinyLlama
 
 VOCAB, SEQ = 37, 8
 

@@ -1,4 +1,9 @@
-"""A tiny Llama-style model (plain single-device code) with uneven shapes on purpose."""
+"""Reference models for tests and benchmarks: plain single-device code.
+
+``TinyLlama`` is a Llama-style decoder (RMSNorm, RoPE, grouped-query SDPA attention, SwiGLU) whose
+default shapes are small and uneven on purpose; the benchmarks build the 1.3B anchor model from
+it by passing the anchor's shapes.
+"""
 
 import torch
 import torch.nn as nn
@@ -6,6 +11,8 @@ import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with a learnt scale."""
+
     def __init__(self, dim):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -15,11 +22,14 @@ class RMSNorm(nn.Module):
 
 
 def rope(x, cos, sin):
+    """Rotary position embedding (rotate-half form)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Block(nn.Module):
+    """Pre-norm attention + SwiGLU block; ``forward(x, cos, sin)``."""
+
     def __init__(self, dim, heads, kv_heads, hidden):
         super().__init__()
         self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
@@ -49,6 +59,8 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
+    """Embedding, ``layers`` blocks, final norm and an untied output projection."""
+
     def __init__(self, vocab=37, dim=24, layers=2, heads=4, kv_heads=2, hidden=42, seq=8):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
