@@ -15,7 +15,6 @@ bubble (one extra step with a recorded timeline, mean over ranks).
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -23,7 +22,6 @@ import time
 import warnings
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,28 +38,6 @@ from _common import (  # noqa: E402
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 
 
-class Stage(nn.Module):
-    """Layers [lo, hi) of the model; the first stage embeds, the last normalizes and projects."""
-
-    def __init__(self, full, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        self.tok = copy.deepcopy(full.tok) if first else None
-        self.layers = nn.ModuleList(copy.deepcopy(full.layers[i]) for i in range(lo, hi))
-        self.norm = copy.deepcopy(full.norm) if last else None
-        self.out = copy.deepcopy(full.out) if last else None
-        self.register_buffer("cos", full.cos.clone(), persistent=False)
-        self.register_buffer("sin", full.sin.clone(), persistent=False)
-
-    def forward(self, x):
-        if self.tok is not None:
-            x = self.tok(x)
-        for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
-        if self.out is not None:
-            x = self.out(self.norm(x))
-        return x
-
-
 def _loss(logits, target):
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
@@ -71,7 +47,7 @@ def _run(rank, world, args, path, queue):
     import torch.distributed.pipelining as tpp
 
     import hp_pipeline as hpp
-    from hp_testing.models import TinyLlama
+    from hp_testing.models import LlamaStage, TinyLlama
 
     warnings.simplefilter("ignore")
     init_rank(rank, world, path, args.threads)
@@ -108,7 +84,8 @@ def _run(rank, world, args, path, queue):
         impls = ("torch", "ours", "ours_ov") if args.overlap else ("torch", "ours")
         for impl in impls:
             mods = {
-                s: Stage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev) for s in mine
+                s: LlamaStage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev)
+                for s in mine
             }
             if impl.startswith("ours"):
                 stages = [hpp.PipelineStage(mods[s], s, n, device=dev) for s in mine]

@@ -1,18 +1,15 @@
 """Checkpoint and swap inside fully_shard and inside pipeline stages (2 gloo ranks): gradients and
 losses bitwise equal to the same parallel run without offload."""
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import hp_dtensor as hp
 from hp_fsdp import fully_shard
 from hp_offload import CheckpointPolicy, OffloadPlan, SwapManager, apply_offload_plan
-from hp_testing.models import TinyLlama
+from hp_testing.models import LlamaStage, TinyLlama
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(2)
@@ -78,24 +75,6 @@ def test_inside_fully_shard(pool, plan):
             assert (swapped > 0) == (plan in ("swap", "mixed"))
 
 
-class _Stage(nn.Module):
-    def __init__(self, full, lo, hi, first, last):
-        super().__init__()
-        full = copy.deepcopy(full)
-        self.tok = full.tok if first else None
-        self.layers = nn.ModuleList(full.layers[lo:hi])
-        self.head = nn.Sequential(full.norm, full.out) if last else None
-        self.register_buffer("cos", full.cos, persistent=False)
-        self.register_buffer("sin", full.sin, persistent=False)
-
-    def forward(self, x):
-        if self.tok is not None:
-            x = self.tok(x)
-        for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
-        return self.head(x) if self.head is not None else x
-
-
 def _pipeline(schedule, plan):
     from hp_pipeline import PipelineStage, Schedule1F1B, ScheduleZBV, build_schedule
 
@@ -109,7 +88,7 @@ def _pipeline(schedule, plan):
     mgr = SwapManager()
     mods = {}
     for s in mine:
-        mods[s] = _Stage(full, 2 * s, 2 * s + 2, s == 0, s == n - 1)
+        mods[s] = LlamaStage(full, 2 * s, 2 * s + 2, s == 0, s == n - 1)
         if PLANS[plan]:
             rules = {k.replace("layers.1-3", "layers.1"): a for k, a in PLANS[plan].items()}
             apply_offload_plan(mods[s], OffloadPlan(rules), manager=mgr)

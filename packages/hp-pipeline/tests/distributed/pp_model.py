@@ -1,12 +1,9 @@
 """A tiny Llama-style model and its split into pipeline stages (plain modules, no parallelism)."""
 
-import copy
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from hp_testing.models import TinyLlama
+from hp_testing.models import LlamaStage, TinyLlama
 
 VOCAB, SEQ = 37, 8
 
@@ -16,35 +13,7 @@ def make_model(layers: int, seed: int = 0) -> TinyLlama:
     return TinyLlama(vocab=VOCAB, dim=16, layers=layers, heads=4, kv_heads=2, hidden=24, seq=SEQ)
 
 
-class Stage(nn.Module):
-    """Layers [lo, hi) of ``full``; the first stage embeds, the last one normalizes and
-    projects to the vocabulary."""
-
-    def __init__(self, full: TinyLlama, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        full = copy.deepcopy(full)
-        self.tok = full.tok if first else None
-        self.layers = nn.ModuleList(full.layers[lo:hi])
-        self.norm = full.norm if last else None
-        self.out = full.out if last else None
-        self.register_buffer("cos", full.cos, persistent=False)
-        self.register_buffer("sin", full.sin, persistent=False)
-        self.names = {}  # our parameter name -> the full model's
-        for n, _ in self.named_parameters():
-            if n.startswith("layers."):
-                i, rest = n.split(".", 2)[1:]
-                self.names[n] = f"layers.{lo + int(i)}.{rest}"
-            else:
-                self.names[n] = n
-
-    def forward(self, x):
-        if self.tok is not None:
-            x = self.tok(x)
-        for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
-        if self.out is not None:
-            x = self.out(self.norm(x))
-        return x
+Stage = LlamaStage
 
 
 def split(full: TinyLlama, num_stages: int) -> list[Stage]:

@@ -5,6 +5,8 @@ default shapes are small and uneven on purpose; the benchmarks build the 1.3B an
 it by passing the anchor's shapes.
 """
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,3 +81,34 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
         return self.out(self.norm(x))
+
+
+class LlamaStage(nn.Module):
+    """Layers ``[lo, hi)`` of a :class:`TinyLlama` as one pipeline stage (copies, so the full
+    model stays intact): the first stage embeds, the last normalises and projects to the
+    vocabulary. ``names`` maps this stage's parameter names to the full model's."""
+
+    def __init__(self, full: TinyLlama, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.tok = copy.deepcopy(full.tok) if first else None
+        self.layers = nn.ModuleList(copy.deepcopy(full.layers[i]) for i in range(lo, hi))
+        self.norm = copy.deepcopy(full.norm) if last else None
+        self.out = copy.deepcopy(full.out) if last else None
+        self.register_buffer("cos", full.cos.clone(), persistent=False)
+        self.register_buffer("sin", full.sin.clone(), persistent=False)
+        self.names = {}
+        for n, _ in self.named_parameters():
+            if n.startswith("layers."):
+                i, rest = n.split(".", 2)[1:]
+                self.names[n] = f"layers.{lo + int(i)}.{rest}"
+            else:
+                self.names[n] = n
+
+    def forward(self, x):
+        if self.tok is not None:
+            x = self.tok(x)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        if self.out is not None:
+            x = self.out(self.norm(x))
+        return x
