@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -220,16 +221,21 @@ class ParamGroup:
             me = self.mesh.get_local_rank(self.shard_dim)
             send = recv[me * total : (me + 1) * total]
             off = 0
+            dsts, srcs = [], []
             with torch.no_grad():
                 for e in self.entries:
                     loc = e.sharded.to_local()
                     if e.dim:
                         loc = loc.movedim(e.dim, 0)
                     k = loc.numel()
-                    send[off : off + k].copy_(loc.reshape(-1), non_blocking=True)
+                    if k:
+                        dsts.append(send[off : off + k])
+                        srcs.append(loc.reshape(-1))
                     if k < e.padded:
                         send[off + k : off + e.padded].zero_()
                     off += e.padded
+                # one multi-tensor launch for all parameters (cast included), not one each
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
             work = self.platform.all_gather_into(
                 recv, send, self.mesh._groups[self.shard_dim], async_op=True
             )
@@ -253,24 +259,15 @@ class ParamGroup:
     def _copy_out(self, recv, n: int, dev) -> None:
         """Copy a gathered flat buffer ``(n, total)`` (each parameter split in ``n`` chunks on
         its sharded dim) into the unsharded parameters."""
+        if self._copy_out_fused(recv, n, dev):
+            return
         off = 0
         for e in self.entries:
             chunk = -(-e.shape[0] // n) if e.shape[0] else 0
             padded = chunk * e.rest
             src = recv[:, off : off + padded]
             off += padded
-            if e.unsharded is None:
-                t = torch.empty(_unmoved(e.shape, e.dim), dtype=self.param_dtype, device=dev)
-                if e.inner is not None:
-                    tp_mesh, tp_pl, gshape = e.inner
-                    t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
-                e.unsharded = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
-            elif e.unsharded.requires_grad != e.sharded.requires_grad:  # (un)frozen since
-                e.unsharded.requires_grad_(e.sharded.requires_grad)
-            t = _local(e.unsharded)
-            nbytes = t.numel() * t.element_size()
-            if t.untyped_storage().size() != nbytes:
-                t.untyped_storage().resize_(nbytes)
+            t = self._fresh_unsharded(e, dev)
             with torch.no_grad(), _preserve_version(t):
                 # the flat layout has the sharded dim first; other dims go through a buffer
                 dst = t if not e.dim else torch.empty(e.shape, dtype=t.dtype, device=t.device)
@@ -285,6 +282,41 @@ class ParamGroup:
                             flat[start * e.rest : start * e.rest + k].copy_(src[r, :k])
                 if e.dim:
                     t.copy_(dst.movedim(0, e.dim))
+
+    def _fresh_unsharded(self, e, dev) -> torch.Tensor:
+        """The local tensor of ``e``'s unsharded parameter, with storage, created once."""
+        if e.unsharded is None:
+            t = torch.empty(_unmoved(e.shape, e.dim), dtype=self.param_dtype, device=dev)
+            if e.inner is not None:
+                tp_mesh, tp_pl, gshape = e.inner
+                t = DTensor.from_local(t, tp_mesh, tp_pl, shape=gshape)
+            e.unsharded = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
+        elif e.unsharded.requires_grad != e.sharded.requires_grad:  # (un)frozen since
+            e.unsharded.requires_grad_(e.sharded.requires_grad)
+        t = _local(e.unsharded)
+        nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().size() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+        return t
+
+    def _copy_out_fused(self, recv, n: int, dev) -> bool:
+        """Copy-out as one ``split_with_sizes_copy`` launch when every parameter is sharded
+        evenly on dim 0 (the usual case); False to take the per-parameter path."""
+        if not self.entries or any(
+            e.dim or e.shape[0] != n * e.chunk or not e.padded for e in self.entries
+        ):
+            return False
+        outs = [self._fresh_unsharded(e, dev) for e in self.entries]
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            for t in outs:
+                stack.enter_context(_preserve_version(t))
+            torch.split_with_sizes_copy(
+                recv,
+                [e.padded for e in self.entries],
+                dim=1,
+                out=[t.view(n, e.padded) for t, e in zip(outs, self.entries)],
+            )
+        return True
 
     # -- resharding to a smaller group after forward ------------------------------------
     def _keep_post_forward_shard(self) -> None:
@@ -456,6 +488,47 @@ class ParamGroup:
 
     def _pack_and_reduce(self, dev, total, has, n_params, stream):
         """Copy gradients into the (ranks, total + flags) buffer and start the reduce-scatter."""
+        fused = self._pack_fused(dev, has, stream)
+        if fused is not None:
+            send = fused
+        else:
+            send = self._pack_each(dev, total, has, n_params, stream)
+        out = torch.empty(total + n_params, dtype=self.reduce_dtype, device=dev)
+        # HSDP: the all-reduce of the previous group starts now, overlapping this reduce-scatter
+        for g in _LAUNCHED:
+            g._launch_allreduce()
+        work = self.platform.reduce_scatter_into(
+            out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
+        )
+        return work, out, send, has
+
+    def _pack_fused(self, dev, has, stream):
+        """The (ranks, total + flags) buffer as one ``cat`` (plus one cast) when every
+        parameter has a gradient and is sharded evenly on dim 0; None otherwise."""
+        n = self.n
+        if not all(has) or any(e.dim or e.shape[0] != n * e.chunk for e in self.entries):
+            return None
+        grads = [_local(e.unsharded).grad for e in self.entries]
+        dt = grads[0].dtype
+        if any(g.dtype != dt or not g.is_contiguous() for g in grads):
+            return None
+        with torch.no_grad():
+            parts = [g.view(n, e.padded) for g, e in zip(grads, self.entries)]
+            parts.append(torch.ones(n, len(grads), dtype=dt, device=dev))
+            send = torch.cat(parts, dim=1)
+            if self.grad_scale != 1.0:
+                send[:, : -len(grads)].mul_(self.grad_scale)
+            if dt != self.reduce_dtype:
+                send = send.to(self.reduce_dtype)
+        for e, g in zip(self.entries, grads):
+            if stream is not None:
+                g.record_stream(stream)  # read on the side stream: keep it until then
+            _local(e.unsharded).grad = None  # copied into the send buffer: free it
+        return send.view(-1)
+
+    def _pack_each(self, dev, total, has, n_params, stream):
+        """The (ranks, total + flags) buffer parameter by parameter (uneven or moved dims,
+        missing gradients)."""
         send = torch.empty(self.n, total + n_params, dtype=self.reduce_dtype, device=dev)
         if all(has):  # the common case: no host-to-device copy
             send[:, total:].fill_(1.0)
@@ -487,15 +560,7 @@ class ParamGroup:
                 if stream is not None:
                     g0.record_stream(stream)  # read on the side stream: keep it until then
                 _local(e.unsharded).grad = None  # copied into the send buffer: free it
-        send = send.view(-1)
-        out = torch.empty(total + n_params, dtype=self.reduce_dtype, device=dev)
-        # HSDP: the all-reduce of the previous group starts now, overlapping this reduce-scatter
-        for g in _LAUNCHED:
-            g._launch_allreduce()
-        work = self.platform.reduce_scatter_into(
-            out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
-        )
-        return work, out, send, has
+        return send.view(-1)
 
     def _launch_allreduce(self) -> None:
         """After this group's reduce-scatter: all-reduce across replicas (HSDP), async."""
