@@ -609,7 +609,15 @@ class ParamGroup:
                 local = local.movedim(0, e.dim)
             target = e.sharded.to_local()
             if target.grad is None:
-                target.grad = torch.empty_like(target, dtype=e.sharded.dtype).copy_(local)
+                if (
+                    local.dtype == target.dtype
+                    and local.device == target.device
+                    and local.shape == target.shape
+                    and local.stride() == target.stride()
+                ):
+                    target.grad = local  # a view of the reduced buffer: no copy (as FSDP2)
+                else:
+                    target.grad = torch.empty_like(target, dtype=e.sharded.dtype).copy_(local)
             else:
                 target.grad.add_(local.to(target.device))
 
