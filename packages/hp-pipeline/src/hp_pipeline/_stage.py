@@ -55,8 +55,10 @@ class PipelineStage:
     ``device`` defaults to the current accelerator (CPU when there is none); ``group`` is the
     pipeline process group (default: the whole world), whose ranks hold the stages as the
     schedule places them. Inputs and outputs are a tensor or a tuple of tensors; their shapes
-    are learnt from the first transfer (a small header travels with the first microbatch of a
-    step) unless ``input_args`` (example inputs, or shapes) are given.
+    are learnt from the first transfer (a small header travels with a channel's first microbatch);
+    ``input_args`` (example inputs, or shapes), if given, are checked against it (a mismatch is
+    a warning naming both: only the receiving rank knows, and an error there would leave the
+    sender waiting).
     """
 
     def __init__(

@@ -274,3 +274,26 @@ def test_stage_arguments_are_checked():
         PipelineStage(mod, 0, 0)
     with pytest.raises(PipelineError, match="nn.Module"):
         PipelineStage(lambda x: x, 0, 1)
+
+
+def _given_shapes(shape):
+    import warnings
+
+    rank = dist.get_rank()
+    mod = split(make_model(2), 2)[rank]
+    given = (torch.empty(shape),) if rank == 1 else None
+    sched = Schedule1F1B(PipelineStage(mod, rank, 2, input_args=given), 2, loss_fn=loss_fn)
+    x, y = batches(1, 4)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 1 else {}))
+    return [str(w.message) for w in caught if "input_args" in str(w.message)]
+
+
+def test_given_input_shapes_are_checked_against_what_arrives(pool2):
+    assert pool2.run(_given_shapes, (2, 8, 16)) == [[], []]  # microbatch 2 x seq 8 x dim 16
+    msgs = pool2.run(_given_shapes, (2, 8, 15))  # wrong: warned, and the step still completes
+    assert msgs[0] == [] and len(msgs[1]) == 1
+    assert (
+        "input_args shapes [(2, 8, 15)] differ from what stage 0 sends [(2, 8, 16)]" in msgs[1][0]
+    )
