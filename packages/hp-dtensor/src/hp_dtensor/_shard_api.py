@@ -270,9 +270,5 @@ def SkipDTensorDispatch():  # noqa: N802 - the public name is a class-like conte
     communication, e.g. in gradient hooks. Out-of-place ops return plain (local) tensors;
     in-place ops modify the local tensor and return the DTensor itself, keeping its identity.
     """
-    prev = _dtensor._MODE["skip"]
-    _dtensor._MODE["skip"] = True
-    try:
+    with _dtensor.dispatch_mode("skip"):
         yield
-    finally:
-        _dtensor._MODE["skip"] = prev

@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from ._dispatch import (
+    _check_writable,
+    _full,
+    _op_name,
+    _wrap_replicated,
+    _write_back,
+)
 from ._dtensor import (
     _REPLICATE,
     _SPECIAL,
     DTensor,
-    _check_writable,
     _dual_placements,
-    _full,
     _grad_spec,
     _make,
-    _op_name,
     _redundant_local,
     _seed,
-    _wrap_replicated,
-    _write_back,
 )
 from ._placement import Replicate
 from ._redistribute import redistribute_local

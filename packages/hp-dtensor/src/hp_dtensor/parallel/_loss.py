@@ -25,9 +25,5 @@ def loss_parallel():
             loss = F.cross_entropy(logits, labels)   # logits: DTensor, Shard(-1) over tp
             loss.backward()
     """
-    prev = _dtensor._MODE["loss_parallel"]
-    _dtensor._MODE["loss_parallel"] = True
-    try:
+    with _dtensor.dispatch_mode("loss_parallel"):
         yield
-    finally:
-        _dtensor._MODE["loss_parallel"] = prev
