@@ -139,6 +139,7 @@ class SwapManager:
         self._held = 0
         self._step_bufs: list[torch.Tensor] = []  # back to the pool at step()
         self._inflight = 0  # device bytes whose copy to the host is not known to be done
+        self._pending = 0  # entries in the groups' pending lists (nothing to drain when 0)
         self._groups: list[_Group] = []
         self._marked: set[int] = set()
         self.stats = SwapStats()
@@ -212,7 +213,7 @@ class SwapManager:
                 )
             if self._held + nbytes > self.budget_bytes:  # full: this one stays on the device
                 return t
-        if self._groups and self._groups[0].pending:
+        if self._pending:
             self._drain_finished()
         h = _Handle(group, t)
         group.handles.append(weakref.ref(h))
@@ -234,6 +235,7 @@ class SwapManager:
             ev = torch.cuda.Event()
             ev.record(stream)
             group.pending.append((t, nbytes, ev))
+            self._pending += 1
             h.tensor = None
             group.event = ev
             self._inflight += nbytes
@@ -267,6 +269,7 @@ class SwapManager:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 group.pending.append((flat, 0, ev))
+                self._pending += 1 + len(group.small)
                 for h in group.small:
                     group.pending.append((h.tensor, h.nbytes, ev))
                     self._inflight += h.nbytes
@@ -277,7 +280,8 @@ class SwapManager:
             self.stats.transfers_out += 1
             group.small_total = total
             group.small = [weakref.ref(h) for h in group.small]
-        self._drain_finished()
+        if self._pending:
+            self._drain_finished()
 
     def _drain_finished(self, force: bool = False) -> None:
         """Drop device tensors whose copy to the host is done (all of them with ``force``)."""
@@ -292,6 +296,7 @@ class SwapManager:
                     self._inflight -= n
                 else:
                     keep.append(item)
+            self._pending -= len(g.pending) - len(keep)
             g.pending[:] = keep
 
     def _throttle(self) -> None:
@@ -304,6 +309,7 @@ class SwapManager:
         for g in self._groups:
             while g.pending and self._inflight > cap:
                 _t, n, ev = g.pending.pop(0)
+                self._pending -= 1
                 ev.synchronize()
                 self._track(-n)
                 self._inflight -= n
@@ -313,7 +319,8 @@ class SwapManager:
     def _unpack(self, h):
         if not isinstance(h, _Handle):
             return h
-        self._drain_finished()  # device copies whose transfer is done: free them now
+        if self._pending:
+            self._drain_finished()  # device copies whose transfer is done: free them now
         g = h.group
         if not g.restored:
             self._restore(g)

@@ -171,7 +171,7 @@ class PipelineStage:
         if not outs:
             c.input_grads = [None] * len(c.inputs)
             return c.input_grads
-        on_path, cuts, plain = _split_graph(outs, c.inputs)
+        on_path, cuts = _split_graph(outs, c.inputs)
         captured: dict[object, tuple] = {}
         handles = [
             node.register_prehook(lambda go, node=node: captured.__setitem__(node, go))
@@ -233,8 +233,8 @@ class PipelineStage:
 def _split_graph(outputs, inputs):
     """Walk the autograd graph below ``outputs``.
 
-    Returns (nodes from which an input is reachable, cut nodes, unused): a cut node lies on an
-    input's path and also has a branch that reaches only parameters; the backward of that
+    Returns (nodes from which an input is reachable, cut nodes): a cut node lies on an input's
+    path and also has a branch that reaches only parameters; the backward of that
     branch is the weight gradient, computed later from the gradient the node received.
     """
     input_nodes = {get_gradient_edge(x).node for x in inputs}
@@ -274,7 +274,7 @@ def _split_graph(outputs, inputs):
         ]
         if branch:
             cuts.append((n, branch))
-    return on_path, cuts, None
+    return on_path, cuts
 
 
 def _matmul_weight_grads(node, grads_out, branch, tails, tail_grads) -> bool:
