@@ -1,0 +1,166 @@
+"""Model and optimizer state dicts keyed by parameter name, and the RNG state, as *Statefuls*.
+
+PyTorch optimizers key their state by parameter *index*, which changes when the parameters are
+grouped differently; keyed by fully qualified name (FQN) the same checkpoint loads into a model
+sharded another way. A fresh optimizer has no state to load into: its state is created first
+(one step with zero gradients and learning rate 0, which changes no parameter), as PyTorch DCP
+does.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import StateDictError
+
+__all__ = [
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+]
+
+
+def _optimizers(optimizer) -> list:
+    subs = getattr(optimizer, "optimizers", None)  # hp_optim.ChainedOptimizer
+    return list(subs) if subs is not None else [optimizer]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _init_state(opt: torch.optim.Optimizer) -> None:
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if all(p in opt.state and opt.state[p] for p in params):
+        return
+    saved_grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    with torch.no_grad():
+        opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer) -> dict:
+    """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` holding
+    the optimizer's own state tensors (so loading into it in place updates the optimizer).
+    Creates the state of a fresh optimizer first. Accepts a ``ChainedOptimizer``."""
+    names = _names(model)
+    state: dict[str, Any] = {}
+    groups = []
+    for opt in _optimizers(optimizer):
+        _init_state(opt)
+        for g in opt.param_groups:
+            fqns = []
+            for p in g["params"]:
+                if id(p) not in names:
+                    raise StateDictError(
+                        "the optimizer holds a parameter that is not in the model: pass the model "
+                        "whose parameters the optimizer updates"
+                    )
+                fqns.append(names[id(p)])
+                if p in opt.state:
+                    state[names[id(p)]] = dict(opt.state[p])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": groups}
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> None:
+    """Put a :func:`get_optimizer_state_dict`-shaped dict back into the optimizer."""
+    by_name = dict(model.named_parameters())
+    groups = [g for opt in _optimizers(optimizer) for g in opt.param_groups]
+    saved = state_dict["param_groups"]
+    if len(saved) != len(groups):
+        raise StateDictError(
+            f"the state dict has {len(saved)} param groups, the optimizer {len(groups)}"
+        )
+    for g, s in zip(groups, saved):
+        mine = [n for n, p in by_name.items() if any(p is q for q in g["params"])]
+        if sorted(mine) != sorted(s["params"]):
+            raise StateDictError(
+                "param group parameters differ between the state dict and the optimizer: "
+                f"{sorted(set(mine) ^ set(s['params']))[:5]}"
+            )
+        for k, v in s.items():
+            if k != "params":
+                g[k] = v
+    for opt in _optimizers(optimizer):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                name = next(n for n, q in by_name.items() if q is p)
+                if name in state_dict["state"]:
+                    st = opt.state[p]
+                    for k, v in state_dict["state"][name].items():
+                        if st.get(k) is not v:
+                            st[k] = v
+
+
+class ModelState:
+    """A model as a Stateful: its ``state_dict()`` (DTensors stay sharded)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # the values were loaded in place into the model's own tensors; loading again would
+        # only copy them onto themselves
+        pass
+
+
+class OptimizerState:
+    """An optimizer as a Stateful, keyed by parameter name (see module docs)."""
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class RNGState:
+    """Python's, NumPy's (when installed), torch's CPU and CUDA random states, per rank."""
+
+    def state_dict(self) -> dict:
+        out: dict[str, Any] = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state().numpy().tobytes(),
+        }
+        try:
+            import numpy as np
+
+            out["numpy"] = np.random.get_state()
+        except ImportError:  # pragma: no cover - torch's CPU build here ships without numpy
+            pass
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        random.setstate(state_dict["python"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state_dict["torch"]), dtype=torch.uint8))
+        if "numpy" in state_dict:
+            import numpy as np
+
+            np.random.set_state(state_dict["numpy"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(
+                [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in state_dict["cuda"]]
+            )
