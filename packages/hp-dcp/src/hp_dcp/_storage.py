@@ -16,6 +16,7 @@ import pickle
 import shutil
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,19 @@ def _write_all(fd: int, buf) -> None:
         mv = mv[n:]
 
 
+_OVERLAP_BYTES = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """One helper thread computing CRC-32s (zlib releases the GIL for large buffers, as the
+    write system call does, so checksum and write run at the same time)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="hp-dcp-crc")
+    return _POOL
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -123,9 +137,14 @@ class FileSystemWriter:
             pos = 0
             for item, data in items:
                 buf = data if isinstance(data, (bytes, bytearray)) else byte_view(data)
-                crc = zlib.crc32(buf)
-                _write_all(fd, buf)
                 n = len(buf) if isinstance(buf, (bytes, bytearray)) else buf.nbytes
+                if n >= _OVERLAP_BYTES:  # checksum on a helper thread while this thread writes
+                    fut = _crc_pool().submit(zlib.crc32, buf)
+                    _write_all(fd, buf)
+                    crc = fut.result()
+                else:
+                    crc = zlib.crc32(buf)
+                    _write_all(fd, buf)
                 out.append((item, name, pos, n, crc))
                 pos += n
             if self.sync_files:

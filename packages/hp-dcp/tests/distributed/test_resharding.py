@@ -255,3 +255,38 @@ def test_rank_failure_raises_everywhere_and_keeps_previous(pool4, tmp_path):
         assert bad_msg is not None and "'w' differs between ranks" in bad_msg
         assert torch.equal(w, torch.arange(8.0))  # the previous checkpoint
     assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def _torch_dcp_to_ours(path):
+    """PyTorch DCP saves row-sharded torch DTensors on 2 ranks; hp_dcp loads them column-sharded,
+    and PyTorch's own load of the same checkpoint is the oracle."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor as tdist
+
+    tmesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(7, 5, generator=g), "b": torch.randn(3, generator=g).bfloat16()}
+    src = {k: tdist(v, tmesh, [TShard(0)]) for k, v in full.items()}
+    src["extra"] = {"step": 4}
+    tdcp.save(src, checkpoint_id=path)
+    theirs = {k: tdist(torch.zeros_like(v), tmesh, [TShard(0)]) for k, v in full.items()}
+    theirs["extra"] = {"step": 0}
+    tdcp.load(theirs, checkpoint_id=path)
+    mesh = hp.init_device_mesh("cpu", (2,))
+    ours = {
+        "a": hp.distribute_tensor(torch.zeros(7, 5), mesh, [hp.Shard(1)]),
+        "b": hp.distribute_tensor(torch.zeros(3, dtype=torch.bfloat16), mesh, [hp.Shard(0)]),
+        "extra": {"step": 0},
+    }
+    hp_dcp.load(ours, checkpoint_id=path)
+    return all(
+        torch.equal(ours[k].full_tensor(), theirs[k].full_tensor())
+        and torch.equal(ours[k].full_tensor(), full[k])
+        for k in full
+    ) and ours["extra"] == theirs["extra"] == {"step": 4}
+
+
+def test_loads_multi_rank_torch_dcp(pool2, tmp_path):
+    assert pool2.run(_torch_dcp_to_ours, str(tmp_path / "t")) == [True, True]

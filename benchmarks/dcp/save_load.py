@@ -1,0 +1,148 @@
+"""hp_dcp against torch.distributed.checkpoint on the same sharded state dict, in one launch:
+save GB/s, load GB/s (into the same sharding) and the time training is blocked by async_save.
+Ratios > 1 mean hp_dcp is better (faster, or blocked for less time). Target >= 1.0x on each.
+
+    python benchmarks/dcp/save_load.py                 # ~2 GB, 2 then 4 gloo ranks
+    python benchmarks/dcp/save_load.py --gb 0.2 --worlds 2 --repeats 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import finish, init_rank, launch  # noqa: E402
+
+
+def _state(world, rank, args):
+    """``count`` fp32 matrices of (rows, 1024) sharded by rows, plus a few small values: the same
+    local tensors wrapped as hp and as torch DTensors."""
+    import hp_dtensor as hp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor as TDTensor
+    from torch.distributed.tensor import Shard as TShard
+
+    cols = 1024
+    count = 16
+    rows = int(args.gb * 2**30 / (count * cols * 4))
+    rows -= rows % world
+    g = torch.Generator().manual_seed(rank)
+    locals_ = [torch.randn(rows // world, cols, generator=g) for _ in range(count)]
+    hmesh = hp.init_device_mesh("cpu", (world,))
+    tmesh = init_device_mesh("cpu", (world,))
+    ours = {
+        f"layers.{i}.w": hp.DTensor.from_local(t, hmesh, [hp.Shard(0)])
+        for i, t in enumerate(locals_)
+    }
+    theirs = {
+        f"layers.{i}.w": TDTensor.from_local(t, tmesh, [TShard(0)]) for i, t in enumerate(locals_)
+    }
+    small = {"norm": torch.ones(cols), "step": torch.tensor(7.0)}
+    ours.update(small)
+    theirs.update(small)
+    nbytes = count * rows * cols * 4 + cols * 4 + 4
+    return ours, theirs, nbytes
+
+
+def _timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def _run(rank, world, args, path, queue):
+    import torch.distributed.checkpoint as tdcp
+
+    import hp_dcp
+
+    init_rank(rank, world, path, threads=1)
+    ours, theirs, nbytes = _state(world, rank, args)
+    root = args.dir
+    res = {k: [] for k in ("save_hp", "save_pt", "load_hp", "load_pt", "async_hp", "async_pt")}
+
+    def clean(p):
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+
+    for rep in range(args.repeats):
+        a, b = os.path.join(root, f"hp{rep}"), os.path.join(root, f"pt{rep}")
+        order = [("hp", a), ("pt", b)] if rep % 2 == 0 else [("pt", b), ("hp", a)]
+        for who, p in order:  # alternate who goes first: the page cache favours neither
+            if who == "hp":
+                res["save_hp"].append(_timed(lambda: hp_dcp.save(ours, checkpoint_id=p))[0])
+            else:
+                res["save_pt"].append(_timed(lambda: tdcp.save(theirs, checkpoint_id=p))[0])
+        for who, p in order:
+            if who == "hp":
+                res["load_hp"].append(_timed(lambda: hp_dcp.load(ours, checkpoint_id=p))[0])
+            else:
+                res["load_pt"].append(_timed(lambda: tdcp.load(theirs, checkpoint_id=p))[0])
+        clean(a)
+        clean(b)
+    # async: the time save() blocks the caller; the write is awaited before the next call
+    for rep in range(args.repeats + 1):
+        for who in ("hp", "pt"):
+            p = os.path.join(root, f"async_{who}{rep}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            if who == "hp":
+                fut = hp_dcp.async_save(ours, checkpoint_id=p)
+            else:
+                fut = tdcp.async_save(theirs, checkpoint_id=p)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            if rep:  # the first call of each allocates its staging buffers
+                res[f"async_{who}"].append(blocked)
+            clean(p)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    med["nbytes"] = nbytes
+    finish(rank, world, args, med, queue, _report)
+
+
+def _report(args, world, results):
+    # a collective op takes as long as its slowest rank: report the slowest rank's medians
+    keys = [k for k in results[0] if k != "nbytes"]
+    med = {k: max(r[k] for r in results.values()) for k in keys}
+    gb = results[0]["nbytes"] / 1e9
+    print(
+        f"\nhp_dcp vs torch.distributed.checkpoint: {gb:.2f} GB, {world} gloo ranks, "
+        f"median of {args.repeats}, torch {torch.__version__}"
+    )
+    print(f"{'figure':<22}{'hp_dcp':>12}{'torch DCP':>12}{'ratio':>8}")
+    for what in ("save", "load"):
+        hp_, pt = gb / med[f"{what}_hp"], gb / med[f"{what}_pt"]
+        print(f"{what + ' GB/s':<22}{hp_:>12.2f}{pt:>12.2f}{hp_ / pt:>8.2f}")
+    hp_, pt = med["async_hp"], med["async_pt"]
+    print(f"{'async blocked s':<22}{hp_:>12.3f}{pt:>12.3f}{pt / hp_:>8.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu"])
+    ap.add_argument("--gb", type=float, default=2.0, help="state dict size in GiB")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="folder to write into (default: a temp folder)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        args.dir = tmp
+        for world in (int(w) for w in args.worlds.split(",")):
+            launch(_run, _report, args, world=world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
