@@ -4,6 +4,11 @@ Ratios > 1 mean hp_dcp is better (faster, or blocked for less time). Target >= 1
 
     python benchmarks/dcp/save_load.py                 # ~2 GB, 2 then 4 gloo ranks
     python benchmarks/dcp/save_load.py --gb 0.2 --worlds 2 --repeats 2   # quick
+
+Every save fsyncs its files (both libraries' default), so save figures include this machine's
+disk, whose flush times vary several-fold from one call to the next: the first round is a
+warm-up, the figures are medians of ``--repeats`` rounds, and the caches are synced before
+each timed call. Loads read what the page cache holds, as a resume right after a save would.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from _common import finish, init_rank, launch  # noqa: E402
 def _state(world, rank, args):
     """``count`` fp32 matrices of (rows, 1024) sharded by rows, plus a few small values: the same
     local tensors wrapped as hp and as torch DTensors."""
-    import hp_dtensor as hp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor as TDTensor
     from torch.distributed.tensor import Shard as TShard
+
+    import hp_dtensor as hp
 
     cols = 1024
     count = 16
@@ -54,6 +60,7 @@ def _state(world, rank, args):
 
 
 def _timed(fn):
+    os.sync()  # start from a clean disk: no earlier write-back lands in this figure
     dist.barrier()
     t0 = time.perf_counter()
     out = fn()
@@ -69,7 +76,17 @@ def _run(rank, world, args, path, queue):
     init_rank(rank, world, path, threads=1)
     ours, theirs, nbytes = _state(world, rank, args)
     root = args.dir
-    res = {k: [] for k in ("save_hp", "save_pt", "load_hp", "load_pt", "async_hp", "async_pt")}
+    keys = (
+        "save_hp",
+        "save_pt",
+        "cache_hp",
+        "cache_pt",
+        "load_hp",
+        "load_pt",
+        "async_hp",
+        "async_pt",
+    )
+    res = {k: [] for k in keys}
 
     def clean(p):
         dist.barrier()
@@ -77,25 +94,37 @@ def _run(rank, world, args, path, queue):
             shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
 
-    for rep in range(args.repeats):
+    for rep in range(args.repeats + 1):  # round 0 warms up (its figures are dropped below)
         a, b = os.path.join(root, f"hp{rep}"), os.path.join(root, f"pt{rep}")
         order = [("hp", a), ("pt", b)] if rep % 2 == 0 else [("pt", b), ("hp", a)]
         for who, p in order:  # alternate who goes first: the page cache favours neither
             if who == "hp":
-                res["save_hp"].append(_timed(lambda: hp_dcp.save(ours, checkpoint_id=p))[0])
+                res["save_hp"].append(_timed(lambda p=p: hp_dcp.save(ours, checkpoint_id=p))[0])
             else:
-                res["save_pt"].append(_timed(lambda: tdcp.save(theirs, checkpoint_id=p))[0])
+                res["save_pt"].append(_timed(lambda p=p: tdcp.save(theirs, checkpoint_id=p))[0])
+        for who, p in order:  # the software path alone: no fsync, into the page cache
+            q = p + "_nosync"
+            if who == "hp":
+                w = hp_dcp.FileSystemWriter(q, sync_files=False)
+                res["cache_hp"].append(
+                    _timed(lambda q=q, w=w: hp_dcp.save(ours, checkpoint_id=q, storage_writer=w))[0]
+                )
+            else:
+                w = tdcp.FileSystemWriter(q, sync_files=False)
+                res["cache_pt"].append(_timed(lambda w=w: tdcp.save(theirs, storage_writer=w))[0])
+            clean(q)
         for who, p in order:
             if who == "hp":
-                res["load_hp"].append(_timed(lambda: hp_dcp.load(ours, checkpoint_id=p))[0])
+                res["load_hp"].append(_timed(lambda p=p: hp_dcp.load(ours, checkpoint_id=p))[0])
             else:
-                res["load_pt"].append(_timed(lambda: tdcp.load(theirs, checkpoint_id=p))[0])
+                res["load_pt"].append(_timed(lambda p=p: tdcp.load(theirs, checkpoint_id=p))[0])
         clean(a)
         clean(b)
     # async: the time save() blocks the caller; the write is awaited before the next call
     for rep in range(args.repeats + 1):
         for who in ("hp", "pt"):
             p = os.path.join(root, f"async_{who}{rep}")
+            os.sync()
             dist.barrier()
             t0 = time.perf_counter()
             if who == "hp":
@@ -107,7 +136,9 @@ def _run(rank, world, args, path, queue):
             if rep:  # the first call of each allocates its staging buffers
                 res[f"async_{who}"].append(blocked)
             clean(p)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    if os.environ.get("HP_BENCH_RAW"):
+        print(rank, {k: [round(x, 2) for x in v] for k, v in res.items()}, flush=True)
+    med = {k: statistics.median(v if k.startswith("async") else v[1:]) for k, v in res.items()}
     med["nbytes"] = nbytes
     finish(rank, world, args, med, queue, _report)
 
@@ -122,9 +153,13 @@ def _report(args, world, results):
         f"median of {args.repeats}, torch {torch.__version__}"
     )
     print(f"{'figure':<22}{'hp_dcp':>12}{'torch DCP':>12}{'ratio':>8}")
-    for what in ("save", "load"):
+    for what, label in (
+        ("save", "save GB/s"),
+        ("cache", "save no-fsync GB/s"),
+        ("load", "load GB/s"),
+    ):
         hp_, pt = gb / med[f"{what}_hp"], gb / med[f"{what}_pt"]
-        print(f"{what + ' GB/s':<22}{hp_:>12.2f}{pt:>12.2f}{hp_ / pt:>8.2f}")
+        print(f"{label:<22}{hp_:>12.2f}{pt:>12.2f}{hp_ / pt:>8.2f}")
     hp_, pt = med["async_hp"], med["async_pt"]
     print(f"{'async blocked s':<22}{hp_:>12.3f}{pt:>12.3f}{pt / hp_:>8.2f}")
 
@@ -134,7 +169,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu"])
     ap.add_argument("--gb", type=float, default=2.0, help="state dict size in GiB")
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dir", default=None, help="folder to write into (default: a temp folder)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -10,6 +10,7 @@ from ._convert import (
     inspect,
     parse_placements,
     reshard,
+    save_hf,
     verify,
 )
 from ._meta import Chunk, Metadata, ObjectEntry, StoredObject, TensorEntry
@@ -70,6 +71,7 @@ __all__ = [
     "parse_placements",
     "reshard",
     "save",
+    "save_hf",
     "set_optimizer_state_dict",
     "verify",
 ]

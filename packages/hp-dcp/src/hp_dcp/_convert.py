@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hp_dtensor import Replicate, Shard, local_shape_and_offset
+from hp_dtensor import DTensor, Replicate, Shard, local_shape_and_offset
 
 from ._api import _metadata
 from ._meta import Metadata, TensorEntry, element_size, numel
@@ -33,6 +33,7 @@ __all__ = [
     "consolidate",
     "convert",
     "export_hf",
+    "save_hf",
     "import_hf",
     "inspect",
     "parse_placements",
@@ -125,6 +126,39 @@ def write_safetensors(
     os.replace(tmp, path)
 
 
+def _write_hf_shards(dst: Path, plan, fetch, max_shard_bytes: int, progress: bool) -> dict:
+    """``plan``: (name, dtype name, shape) in file order; ``fetch(name)`` gives one tensor.
+    Writes ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a larger
+    tensor gets a shard of its own) and the index."""
+    dst.mkdir(parents=True, exist_ok=True)
+    shards: list[list] = [[]]
+    size = 0
+    for p in plan:
+        n = numel(p[2]) * element_size(p[1])
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += n
+    weight_map, total = {}, 0
+    with _bar(sum(numel(s) * element_size(d) for _, d, s in plan), "export", progress) as bar:
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(dst / fname, shard, fetch, metadata={"format": "pt"}, bar=bar)
+            for name, dt, shape in shard:
+                weight_map[name] = fname
+                total += numel(shape) * element_size(dt)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dst / HF_INDEX).write_text(json.dumps(index, indent=2))
+    return index
+
+
+def _cast_name(dt: str, dtype) -> str:
+    if dtype is not None and torch_dtype(dt).is_floating_point:
+        return str(dtype).removeprefix("torch.")
+    return dt
+
+
 def export_hf(
     src,
     dst,
@@ -137,51 +171,55 @@ def export_hf(
     """Export the tensors of checkpoint ``src`` to HuggingFace safetensors shards
     (``model-0000i-of-0000n.safetensors``) plus ``model.safetensors.index.json`` in folder
     ``dst``, renaming with ``name_map`` and casting floating tensors to ``dtype`` if given.
-    Non-tensor values are not exported. Returns the index."""
+    Non-tensor values are not exported. One tensor is in memory at a time. Returns the index."""
     rename = _renamer(name_map)
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
     with open_checkpoint(src) as reader:
         md = reader.metadata
-        plan: list[tuple[str, str, str, tuple]] = []  # (new name, old name, dtype, shape)
+        plan, old_of = [], {}
         for key, e in md.tensors.items():
             new = rename(key)
             if new is None:
                 continue
-            dt = e.dtype
-            if dtype is not None and torch_dtype(dt).is_floating_point:
-                dt = str(dtype).removeprefix("torch.")
-            plan.append((new, key, dt, e.shape))
-        if len({p[0] for p in plan}) != len(plan):
-            raise StateDictError("name_map maps two tensors to the same name")
-        shards: list[list] = [[]]
-        size = 0
-        for p in plan:
-            n = numel(p[3]) * element_size(p[2])
-            if shards[-1] and size + n > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(p)
-            size += n
-        old_of = {p[0]: p[1] for p in plan}
-        weight_map, total = {}, 0
-        with _bar(sum(numel(p[3]) * element_size(p[2]) for p in plan), "export", progress) as bar:
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                entries = [(new, dt, shape) for new, _, dt, shape in shard]
-                write_safetensors(
-                    dst / fname,
-                    entries,
-                    lambda new: _full(reader, old_of[new], md.tensors[old_of[new]]),
-                    metadata={"format": "pt"},
-                    bar=bar,
-                )
-                for new, _, dt, shape in shard:
-                    weight_map[new] = fname
-                    total += numel(shape) * element_size(dt)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (dst / HF_INDEX).write_text(json.dumps(index, indent=2))
-    return index
+            if new in old_of:
+                raise StateDictError(f"name_map maps {old_of[new]!r} and {key!r} to {new!r}")
+            old_of[new] = key
+            plan.append((new, _cast_name(e.dtype, dtype), e.shape))
+        return _write_hf_shards(
+            Path(dst),
+            plan,
+            lambda new: _full(reader, old_of[new], md.tensors[old_of[new]]),
+            max_shard_bytes,
+            progress,
+        )
+
+
+def save_hf(
+    state_dict: Mapping[str, torch.Tensor],
+    dst,
+    *,
+    name_map: NameMap = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> dict:
+    """Write an in-memory dict of whole (unsharded) tensors as HuggingFace safetensors shards +
+    index in ``dst`` (one process; for sharded state save with :func:`hp_dcp.save` and
+    :func:`export_hf`). Tensors sharing storage (tied weights) must be given once."""
+    rename = _renamer(name_map)
+    plan, by_new = [], {}
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            raise StateDictError(f"save_hf: {key!r} is not a plain tensor (gather DTensors first)")
+        new = rename(key)
+        if new is None:
+            continue
+        if new in by_new:
+            raise StateDictError(f"name_map maps two tensors to {new!r}")
+        by_new[new] = t
+        plan.append((new, _cast_name(str(t.dtype).removeprefix("torch."), dtype), tuple(t.shape)))
+    return _write_hf_shards(
+        Path(dst), plan, lambda n: by_new[n].detach().cpu(), max_shard_bytes, progress
+    )
 
 
 def consolidate(src, out, *, name_map: NameMap = None, progress: bool = False) -> None:
@@ -218,7 +256,7 @@ def parse_placements(text: str) -> tuple:
     out = []
     for tok in re.findall(r"S(?:hard)?\((\d+)\)|(R)(?:eplicate\(\))?", text.replace(" ", "")):
         out.append(Shard(int(tok[0])) if tok[0] else Replicate())
-    canon = "".join("S(%d)" % p.dim if isinstance(p, Shard) else "R" for p in out)
+    canon = "".join(f"S({p.dim})" if isinstance(p, Shard) else "R" for p in out)
     plain = re.sub(r"Shard\((\d+)\)", r"S(\1)", text.replace(" ", "").replace(",", ""))
     plain = plain.replace("Replicate()", "R")
     if not out or canon != plain:

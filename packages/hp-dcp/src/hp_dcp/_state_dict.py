@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from hp_dtensor import DTensor
+
 from .errors import StateDictError
 
 __all__ = [
@@ -87,7 +89,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             f"the state dict has {len(saved)} param groups, the optimizer {len(groups)}"
         )
     for g, s in zip(groups, saved):
-        mine = [n for n, p in by_name.items() if any(p is q for q in g["params"])]
+        ids = {id(q) for q in g["params"]}
+        mine = [n for n, p in by_name.items() if id(p) in ids]
         if sorted(mine) != sorted(s["params"]):
             raise StateDictError(
                 "param group parameters differ between the state dict and the optimizer: "
@@ -96,10 +99,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         for k, v in s.items():
             if k != "params":
                 g[k] = v
+    name_of = {id(p): n for n, p in by_name.items()}
     for opt in _optimizers(optimizer):
         for g in opt.param_groups:
             for p in g["params"]:
-                name = next(n for n, q in by_name.items() if q is p)
+                name = name_of[id(p)]
                 if name in state_dict["state"]:
                     st = opt.state[p]
                     for k, v in state_dict["state"][name].items():
@@ -117,9 +121,24 @@ class ModelState:
         return self.model.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # the values were loaded in place into the model's own tensors; loading again would
-        # only copy them onto themselves
-        pass
+        # ``load`` fills the model's own tensors in place; only entries that are not the
+        # model's storage (a state dict built elsewhere, a module whose state_dict copies) are
+        # loaded through the module
+        current = self.model.state_dict()
+        other = {k: v for k, v in state_dict.items() if not _aliases(v, current.get(k))}
+        if other:
+            self.model.load_state_dict(other, strict=False)
+
+
+def _storage_ptr(t) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.untyped_storage().data_ptr()
+
+
+def _aliases(a, b) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a is b
+    return _storage_ptr(a) == _storage_ptr(b)
 
 
 class OptimizerState:

@@ -96,6 +96,30 @@ def _crc_pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+def _load_sync_file_range():
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):  # not Linux: the final fsync does all the work
+        return None
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a just-written range to disk without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so the disk works while the next chunk
+    is copied and the final fsync has little left to do. Page-cache pages stay cached."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # 2 = SYNC_FILE_RANGE_WRITE
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -145,6 +169,8 @@ class FileSystemWriter:
                 else:
                     crc = zlib.crc32(buf)
                     _write_all(fd, buf)
+                if n >= _OVERLAP_BYTES:  # also without fsync: keeps the kernel from
+                    _start_writeback(fd, pos, n)  # throttling a writer with many dirty pages
                 out.append((item, name, pos, n, crc))
                 pos += n
             if self.sync_files:

@@ -435,3 +435,13 @@ def test_async_save_failure_surfaces_in_future(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="exists and is not a folder"):
         hp_dcp.async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "file").result()
+
+
+def test_model_state_loads_values_that_are_not_its_storage():
+    m = torch.nn.Linear(3, 2)
+    state = hp_dcp.ModelState(m)
+    own = state.state_dict()
+    state.load_state_dict(own)  # its own tensors: nothing to do
+    new = {"weight": torch.ones(2, 3), "bias": own["bias"]}
+    state.load_state_dict(new)
+    assert torch.equal(m.weight, torch.ones(2, 3))

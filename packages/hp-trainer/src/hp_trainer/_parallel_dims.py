@@ -1,0 +1,154 @@
+"""``ParallelDims``: parallelism degrees, checked before any process group exists, and the named
+device meshes built from them. Degree arithmetic is pure Python."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["ParallelDims"]
+
+# the config keys (TOML section [parallelism]) each degree comes from, for messages
+KEYS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
+}
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data (replicate x shard), context, tensor, pipeline and expert parallelism.
+
+    ``dp_shard=-1`` takes what the others leave of ``world_size``. Every problem is reported at
+    once, one line each, naming its config key. Mesh dimensions, outermost first:
+    ``pp, dp_replicate, dp_shard, cp, tp``; experts borrow ``dp_shard x cp`` (and ``tp`` when
+    ``etp == 1``), as in torchtitan.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in KEYS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or (v < 1 and not (name == "dp_shard" and v == -1)):
+                problems.append(f"{KEYS[name]}={v!r}: must be a positive integer")
+        if self.world_size < 1:
+            problems.append(f"world_size={self.world_size}: must be at least 1")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by dp_replicate x cp x tp x pp "
+                    f"= {others}: change {KEYS['tp']}, {KEYS['pp']}, {KEYS['cp']} or "
+                    f"{KEYS['dp_replicate']}, or the number of processes"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            problems.append(
+                f"degrees multiply to {product} (dp_replicate {self.dp_replicate} x dp_shard "
+                f"{self.dp_shard} x cp {self.cp} x tp {self.tp} x pp {self.pp}) but the world size "
+                f"is {self.world_size}: set {KEYS['dp_shard']} = -1 to fill it"
+            )
+        if self.etp not in (1, self.tp):
+            problems.append(f"{KEYS['etp']}={self.etp}: must be 1 or the tensor parallel degree")
+        borrow = self.dp_shard * self.cp * (self.tp if self.etp == 1 else 1)
+        if self.ep > 1 and borrow % self.ep:
+            problems.append(
+                f"{KEYS['ep']}={self.ep} must divide dp_shard x cp"
+                f"{' x tp' if self.etp == 1 else ''} = {borrow}"
+            )
+        if problems:
+            raise ConfigError("\n".join(problems))
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (replicate x shard): how many different batches are processed."""
+        return self.dp_replicate * self.dp_shard
+
+    def check_model(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        n_layers: int,
+        ffn_hidden: int | None = None,
+        num_experts: int | None = None,
+        global_batch_size: int | None = None,
+        seq_len: int | None = None,
+        stages_per_rank: int = 1,
+    ) -> None:
+        """Raise one :class:`ConfigError` listing every way the model, batch or sequence does not
+        fit these degrees."""
+        problems = []
+        tp = KEYS["tp"]
+        if n_heads % self.tp:
+            problems.append(f"{tp}={self.tp} does not divide the model's {n_heads} attention heads")
+        if n_kv_heads % self.tp:
+            problems.append(
+                f"{tp}={self.tp} does not divide the model's {n_kv_heads} key/value heads"
+            )
+        if ffn_hidden is not None and ffn_hidden % self.tp:
+            problems.append(f"{tp}={self.tp} does not divide the feed-forward width {ffn_hidden}")
+        if self.pp * stages_per_rank > n_layers:
+            problems.append(
+                f"{KEYS['pp']}={self.pp} x {stages_per_rank} stage(s) per rank exceeds the "
+                f"model's {n_layers} layers"
+            )
+        if num_experts is not None and self.ep > 1 and num_experts % self.ep:
+            problems.append(f"{KEYS['ep']}={self.ep} does not divide the {num_experts} experts")
+        if global_batch_size is not None and global_batch_size % self.dp:
+            problems.append(
+                f"training.global_batch_size={global_batch_size} is not divisible by the data "
+                f"parallel degree {self.dp}"
+            )
+        if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
+            problems.append(
+                f"training.seq_len={seq_len} must be divisible by 2 x {KEYS['cp']} = {2 * self.cp}"
+            )
+        if problems:
+            raise ConfigError("\n".join(problems))
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The world mesh's shape and dimension names (dimensions of degree 1 left out; a
+        1-D ``("dp_shard",)`` mesh when every degree is 1)."""
+        dims = [(n, getattr(self, n)) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+        dims = [(n, d) for n, d in dims if d > 1] or [("dp_shard", 1)]
+        return tuple(d for _, d in dims), tuple(n for n, _ in dims)
+
+    def build_mesh(self, device_type: str = "cpu"):
+        """The world ``DeviceMesh`` with named dimensions plus flattened ``dp`` (dp_replicate x
+        dp_shard), ``dp_shard_cp`` (what FSDP shards over) and ``dp_cp`` (where losses are
+        averaged) where those have more than one dimension. Needs the default process group."""
+        import hp_dtensor as hp
+
+        shape, names = self.mesh_shape()
+        if math.prod(shape) != self.world_size:
+            raise ConfigError(f"mesh {shape} does not cover world size {self.world_size}")
+        mesh = hp.init_device_mesh(device_type, shape, mesh_dim_names=names)
+        for flat, parts in (
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp_shard_cp", ("dp_shard", "cp")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+        ):
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                mesh[present].flatten(flat)
+        return mesh

@@ -1,0 +1,138 @@
+"""``parallelize_llama``: tensor (+ sequence) parallelism, then FSDP/HSDP, applied from outside
+to the single-device :class:`~hp_trainer.models.Transformer` (Llama 3 and Qwen3 share its module
+structure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import hp_dtensor as hp
+
+from ._parallel_dims import ParallelDims
+
+__all__ = ["ParallelizeConfig", "dp_mesh", "parallelize_llama"]
+
+
+@dataclass(frozen=True)
+class ParallelizeConfig:
+    """How to parallelize: ``sequence_parallel`` shards norms' activations along the sequence
+    between TP regions (less activation memory, same math); ``param_dtype``/``reduce_dtype`` are
+    FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard``."""
+
+    sequence_parallel: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+
+
+def dp_mesh(mesh, parallel_dims: ParallelDims):
+    """The mesh FSDP shards over: ``(dp_replicate, dp_shard[_cp])`` for HSDP, the (flattened)
+    shard dimension otherwise; None when there is no data parallelism."""
+    names = mesh.mesh_dim_names or ()
+    shard = (
+        "dp_shard_cp"
+        if parallel_dims.cp > 1 and parallel_dims.dp_shard > 1
+        else ("cp" if parallel_dims.cp > 1 else "dp_shard")
+    )
+    if parallel_dims.dp_replicate > 1:
+        return (
+            mesh["dp_replicate", shard]
+            if (shard in names or shard == "dp_shard_cp")
+            else mesh["dp_replicate"]
+        )
+    if shard in names or shard == "dp_shard_cp":
+        return mesh[shard]
+    return None
+
+
+def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
+    from hp_dtensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    seq = hp.Shard(1) if sp else hp.Replicate()
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=hp.Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=hp.Replicate()),
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(hp.Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(hp.Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        if qk_norm:  # per-head norms see only this rank's heads: their grads are all-reduced
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+
+
+def parallelize_llama(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    mesh=None,
+    config: ParallelizeConfig | None = None,
+) -> nn.Module:
+    """Parallelize a Llama 3 / Qwen3 :class:`Transformer` in place, in this order:
+
+    1. tensor parallelism over ``tp`` (attention heads and the feed-forward width split;
+       with ``sequence_parallel`` the norms run on sequence shards);
+    2. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
+       group, then the root.
+
+    ``mesh`` defaults to ``parallel_dims.build_mesh()`` on the model's device type. Check the
+    model against the degrees first (``parallel_dims.check_model``). Returns the model.
+    """
+    from hp_fsdp import MixedPrecisionPolicy, fully_shard
+
+    config = config or ParallelizeConfig()
+    cfg = model.config
+    parallel_dims.check_model(
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        n_layers=cfg.n_layers,
+        ffn_hidden=cfg.ffn_hidden,
+    )
+    if mesh is None:
+        mesh = parallel_dims.build_mesh(next(model.parameters()).device.type)
+    if parallel_dims.tp > 1:
+        _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
+        model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree
+    fsdp_mesh = dp_mesh(mesh, parallel_dims)
+    if fsdp_mesh is not None:
+        mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+        for block in model.layers.values():
+            fully_shard(
+                block,
+                mesh=fsdp_mesh,
+                mp_policy=mp,
+                reshard_after_forward=config.reshard_after_forward,
+            )
+        fully_shard(
+            model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward
+        )
+    return model

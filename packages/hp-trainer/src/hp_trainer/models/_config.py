@@ -1,0 +1,255 @@
+"""Model configurations: one dataclass for the dense decoder family (Llama 3, Qwen3), the
+published sizes by name, tiny ones for tests, and conversion from/to HuggingFace ``config.json``.
+Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+__all__ = ["CONFIGS", "TransformerConfig", "get_config"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A dense decoder-only transformer (pre-norm, RoPE, grouped-query attention, SwiGLU).
+
+    ``qk_norm`` adds Qwen3's per-head RMSNorm on queries and keys; ``rope_scaling`` holds Llama
+    3.1's frequency scaling (``{"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}``) or None.
+    """
+
+    architecture: str = "llama"  # "llama" or "qwen3"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # default dim // n_heads
+    ffn_hidden: int = 160
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_seq_len: int = 2048  # length of the precomputed rotary tables
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def hd(self) -> int:
+        """Per-head dimension."""
+        return self.head_dim or self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.n_heads % max(self.n_kv_heads, 1):
+            problems.append(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim is None and self.dim % max(self.n_heads, 1):
+            problems.append(
+                f"dim={self.dim} is not a multiple of n_heads={self.n_heads}: set head_dim"
+            )
+        if self.hd % 2:
+            problems.append(f"head dimension {self.hd} must be even for rotary embeddings")
+        if self.architecture not in ("llama", "qwen3"):
+            problems.append(f"architecture={self.architecture!r}: use 'llama' or 'qwen3'")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def replace(self, **changes) -> TransformerConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        """Parameter count."""
+        hd, d = self.hd, self.dim
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.attention_bias:
+            attn += hd * (self.n_heads + 2 * self.n_kv_heads) + d
+        if self.qk_norm:
+            attn += 2 * hd
+        mlp = 3 * d * self.ffn_hidden + (2 * self.ffn_hidden + d if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.n_layers * layer + d + (emb if embeddings else 0)
+
+    # -- HuggingFace config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict, *, max_seq_len: int | None = None) -> TransformerConfig:
+        """From a HuggingFace ``config.json`` dict of a supported ``model_type``."""
+        mt = hf.get("model_type")
+        if mt not in ("llama", "qwen3"):
+            raise ConfigError(
+                f"config.json model_type={mt!r} is not supported: use a 'llama' or 'qwen3' "
+                "checkpoint"
+            )
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ConfigError(
+                    f"config.json rope scaling {kind!r} is not supported (only 'llama3')"
+                )
+        heads = hf["num_attention_heads"]
+        return cls(
+            architecture=mt,
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim"),
+            ffn_hidden=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_seq_len=max_seq_len or min(hf.get("max_position_embeddings", 2048), 8192),
+            qk_norm=mt == "qwen3",
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        )
+
+    def to_hf(self) -> dict:
+        """A HuggingFace ``config.json`` dict (``LlamaForCausalLM`` / ``Qwen3ForCausalLM``)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.architecture]
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_type": "llama3", "rope_theta": self.rope_theta}
+        out = {
+            "architectures": [arch],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.hd,
+            "intermediate_size": self.ffn_hidden,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_seq_len,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        return out
+
+
+_L31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_L32 = {**_L31, "factor": 32.0}
+
+
+def _llama(dim, layers, heads, kv, ffn, scaling=_L31, tie=False, vocab=128256):
+    return TransformerConfig(
+        "llama",
+        vocab,
+        dim,
+        layers,
+        heads,
+        kv,
+        None,
+        ffn,
+        1e-5,
+        500000.0,
+        scaling,
+        8192,
+        tie_word_embeddings=tie,
+    )
+
+
+def _qwen3(dim, layers, heads, ffn, tie):
+    return TransformerConfig(
+        "qwen3",
+        151936,
+        dim,
+        layers,
+        heads,
+        8,
+        128,
+        ffn,
+        1e-6,
+        1000000.0,
+        None,
+        8192,
+        qk_norm=True,
+        tie_word_embeddings=tie,
+    )
+
+
+#: Published configurations (HuggingFace ``config.json`` values) and tiny ones for tests/demos.
+CONFIGS: dict[str, TransformerConfig] = {
+    "llama3-8b": _llama(4096, 32, 32, 8, 14336),
+    "llama3-70b": _llama(8192, 80, 64, 8, 28672),
+    "llama3-405b": _llama(16384, 126, 128, 8, 53248),
+    "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, _L32, tie=True),
+    "llama3.2-3b": _llama(3072, 28, 24, 8, 8192, _L32, tie=True),
+    "llama3-tiny": TransformerConfig(
+        "llama",
+        256,
+        64,
+        2,
+        4,
+        2,
+        None,
+        160,
+        1e-5,
+        500000.0,
+        _L31 | {"original_max_position_embeddings": 64},
+        256,
+    ),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288, False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408, False),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600, False),
+    "qwen3-tiny": TransformerConfig(
+        "qwen3",
+        256,
+        64,
+        2,
+        4,
+        2,
+        32,
+        160,
+        1e-6,
+        1000000.0,
+        None,
+        256,
+        qk_norm=True,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> TransformerConfig:
+    """A named configuration, optionally with fields overridden."""
+    if name not in CONFIGS:
+        raise ConfigError(f"model name {name!r} is unknown: use one of {sorted(CONFIGS)}")
+    return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]

@@ -1,0 +1,46 @@
+"""ParallelDims: degree arithmetic and one message per problem, before any process group."""
+
+import pytest
+
+from hp_trainer import ParallelDims
+from hp_trainer.errors import ConfigError
+
+
+def test_fill_and_mesh_shape():
+    pd = ParallelDims(dp_replicate=2, tp=2, world_size=8)
+    assert pd.dp_shard == 2 and pd.dp == 4
+    assert pd.mesh_shape() == ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+    assert ParallelDims(world_size=1).mesh_shape() == ((1,), ("dp_shard",))
+    assert ParallelDims(pp=2, dp_shard=2, world_size=4).mesh_shape() == ((2, 2), ("pp", "dp_shard"))
+
+
+def test_bad_degrees_listed_together():
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(dp_shard=3, tp=2, world_size=4)
+    assert "degrees multiply to 6" in str(e.value) and "data_parallel_shard_degree = -1" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by .* = 4"):
+        ParallelDims(tp=4, world_size=6)
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(tp=0, pp=-2, world_size=4)
+    assert str(e.value).count("\n") == 1  # two problems, two lines
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_degree=3"):
+        ParallelDims(tp=2, etp=3, world_size=4)
+    with pytest.raises(ConfigError, match="expert_parallel_degree=3 must divide"):
+        ParallelDims(ep=3, world_size=4)
+
+
+def test_model_checks():
+    pd = ParallelDims(tp=4, pp=2, cp=2, world_size=32)
+    with pytest.raises(ConfigError) as e:
+        pd.check_model(
+            n_heads=6, n_kv_heads=2, n_layers=1, global_batch_size=3, seq_len=6, num_experts=3
+        )
+    lines = str(e.value).splitlines()
+    assert len(lines) == 5
+    assert "tensor_parallel_degree=4 does not divide the model's 6 attention heads" in lines[0]
+    assert "2 key/value heads" in lines[1]
+    assert "pipeline_parallel_degree=2" in lines[2] and "1 layers" in lines[2]
+    assert "global_batch_size=3" in lines[3] and "training.seq_len=6" in lines[4]
+    ParallelDims(tp=2, world_size=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2)

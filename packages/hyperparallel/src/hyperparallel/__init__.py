@@ -1,0 +1,90 @@
+"""hyperparallel: one import for HyperParallel's public API.
+
+The most used names sit at the top level (``hp.fully_shard``, ``hp.DTensor``,
+``hp.init_device_mesh``, ``hp.parallelize_module``, ``hp.PipelineStage``, ...); each package is
+also reachable whole: ``hp.dtensor``, ``hp.fsdp``, ``hp.optim``, ``hp.pipeline``, ``hp.offload``,
+``hp.dcp``, ``hp.trainer``.
+"""
+
+import hp_dcp as dcp
+import hp_dtensor as dtensor
+import hp_fsdp as fsdp
+import hp_offload as offload
+import hp_optim as optim
+import hp_pipeline as pipeline
+import hp_trainer as trainer
+from hp_dtensor import (
+    DeviceMesh,
+    DTensor,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+    init_device_mesh,
+)
+from hp_dtensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from hp_offload import OffloadPlan, checkpoint_wrapper, swap_wrapper
+from hp_optim import AdamW, Muon, clip_grad_norm_
+from hp_pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBV,
+)
+from hp_trainer import ParallelDims, parallelize_llama
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW",
+    "CPUOffloadPolicy",
+    "ColwiseParallel",
+    "DTensor",
+    "DeviceMesh",
+    "Layout",
+    "MixedPrecisionPolicy",
+    "Muon",
+    "OffloadPlan",
+    "ParallelDims",
+    "Partial",
+    "PipelineStage",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "Replicate",
+    "RowwiseParallel",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBV",
+    "SequenceParallel",
+    "Shard",
+    "checkpoint_wrapper",
+    "clip_grad_norm_",
+    "dcp",
+    "distribute_module",
+    "distribute_tensor",
+    "dtensor",
+    "fsdp",
+    "fully_shard",
+    "init_device_mesh",
+    "loss_parallel",
+    "offload",
+    "optim",
+    "parallelize_llama",
+    "parallelize_module",
+    "pipeline",
+    "swap_wrapper",
+    "trainer",
+]
