@@ -83,7 +83,8 @@ def launch(run, report, args, *, world: int = 2) -> int:
     are spawned here.
     """
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        backend = getattr(args, "backend", None) or ("nccl" if args.device == "cuda" else "gloo")
+        dist.init_process_group(backend)
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, None)
         return 0
     ctx = mp.get_context("spawn")

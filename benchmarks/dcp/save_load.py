@@ -4,6 +4,7 @@ Ratios > 1 mean hp_dcp is better (faster, or blocked for less time). Target >= 1
 
     python benchmarks/dcp/save_load.py                 # ~2 GB, 2 then 4 gloo ranks
     python benchmarks/dcp/save_load.py --gb 0.2 --worlds 2 --repeats 2   # quick
+    torchrun --nproc_per_node=2 benchmarks/dcp/save_load.py --device cuda   # GPU tensors
 
 Every save fsyncs its files (both libraries' default), so save figures include this machine's
 disk, whose flush times vary several-fold from one call to the next: the first round is a
@@ -42,9 +43,10 @@ def _state(world, rank, args):
     rows = int(args.gb * 2**30 / (count * cols * 4))
     rows -= rows % world
     g = torch.Generator().manual_seed(rank)
-    locals_ = [torch.randn(rows // world, cols, generator=g) for _ in range(count)]
-    hmesh = hp.init_device_mesh("cpu", (world,))
-    tmesh = init_device_mesh("cpu", (world,))
+    dev = args.device
+    locals_ = [torch.randn(rows // world, cols, generator=g).to(dev) for _ in range(count)]
+    hmesh = hp.init_device_mesh(dev, (world,))
+    tmesh = init_device_mesh(dev, (world,))
     ours = {
         f"layers.{i}.w": hp.DTensor.from_local(t, hmesh, [hp.Shard(0)])
         for i, t in enumerate(locals_)
@@ -52,7 +54,7 @@ def _state(world, rank, args):
     theirs = {
         f"layers.{i}.w": TDTensor.from_local(t, tmesh, [TShard(0)]) for i, t in enumerate(locals_)
     }
-    small = {"norm": torch.ones(cols), "step": torch.tensor(7.0)}
+    small = {"norm": torch.ones(cols, device=dev), "step": torch.tensor(7.0)}
     ours.update(small)
     theirs.update(small)
     nbytes = count * rows * cols * 4 + cols * 4 + 4
@@ -74,6 +76,8 @@ def _run(rank, world, args, path, queue):
     import hp_dcp
 
     init_rank(rank, world, path, threads=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     ours, theirs, nbytes = _state(world, rank, args)
     root = args.dir
     keys = (
@@ -149,7 +153,8 @@ def _report(args, world, results):
     med = {k: max(r[k] for r in results.values()) for k in keys}
     gb = results[0]["nbytes"] / 1e9
     print(
-        f"\nhp_dcp vs torch.distributed.checkpoint: {gb:.2f} GB, {world} gloo ranks, "
+        f"\nhp_dcp vs torch.distributed.checkpoint: {gb:.2f} GB, {world} "
+        f"{'gloo ranks (CPU tensors)' if args.device == 'cpu' else 'ranks (CUDA tensors)'}, "
         f"median of {args.repeats}, torch {torch.__version__}"
     )
     print(f"{'figure':<22}{'hp_dcp':>12}{'torch DCP':>12}{'ratio':>8}")
@@ -166,7 +171,7 @@ def _report(args, world, results):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--gb", type=float, default=2.0, help="state dict size in GiB")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--repeats", type=int, default=7)
@@ -174,6 +179,13 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
+        if "RANK" in os.environ:  # torchrun: one folder for every rank of this host
+            args.dir = os.environ.get("HP_DCP_BENCH_DIR", "/tmp/hp_dcp_bench")
+            os.makedirs(args.dir, exist_ok=True)
+            if args.device == "cuda":  # torch's async_save needs a CPU backend beside NCCL
+                args.backend = "cpu:gloo,cuda:nccl"
+            launch(_run, _report, args)
+            return 0
         for world in (int(w) for w in args.worlds.split(",")):
             launch(_run, _report, args, world=world)
     return 0

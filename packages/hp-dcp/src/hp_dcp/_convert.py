@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-
 from hp_dtensor import DTensor, Replicate, Shard, local_shape_and_offset
 
 from ._api import _metadata
@@ -81,6 +79,8 @@ def _box(reader, key, entry, offsets, sizes, dtype=None) -> torch.Tensor:
 
 
 def _bar(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm  # imported when a tool runs, not with the package
+
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress)
 
 
