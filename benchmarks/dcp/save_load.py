@@ -70,6 +70,28 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _verify(ours, root) -> bool:
+    """Save, zero the tensors, load: every value must come back (a load that silently did
+    nothing would make the timed loads meaningless)."""
+    import hp_dcp
+    import hp_dtensor as hp
+
+    def local(v):
+        return v.to_local() if isinstance(v, hp.DTensor) else v
+
+    p = os.path.join(root, "verify")
+    hp_dcp.save(ours, checkpoint_id=p)
+    keep = {k: local(v).clone() for k, v in ours.items()}
+    for v in ours.values():
+        local(v).zero_()
+    hp_dcp.load(ours, checkpoint_id=p)
+    ok = all(torch.equal(local(v), keep[k]) for k, v in ours.items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(p, ignore_errors=True)
+    return ok
+
+
 def _run(rank, world, args, path, queue):
     import torch.distributed.checkpoint as tdcp
 
@@ -142,14 +164,16 @@ def _run(rank, world, args, path, queue):
             clean(p)
     if os.environ.get("HP_BENCH_RAW"):
         print(rank, {k: [round(x, 2) for x in v] for k, v in res.items()}, flush=True)
+    verified = _verify(ours, root)
     med = {k: statistics.median(v if k.startswith("async") else v[1:]) for k, v in res.items()}
     med["nbytes"] = nbytes
+    med["verified"] = verified
     finish(rank, world, args, med, queue, _report)
 
 
 def _report(args, world, results):
     # a collective op takes as long as its slowest rank: report the slowest rank's medians
-    keys = [k for k in results[0] if k != "nbytes"]
+    keys = [k for k in results[0] if k not in ("nbytes", "verified")]
     med = {k: max(r[k] for r in results.values()) for k in keys}
     gb = results[0]["nbytes"] / 1e9
     print(
@@ -167,6 +191,8 @@ def _report(args, world, results):
         print(f"{label:<22}{hp_:>12.2f}{pt:>12.2f}{hp_ / pt:>8.2f}")
     hp_, pt = med["async_hp"], med["async_pt"]
     print(f"{'async blocked s':<22}{hp_:>12.3f}{pt:>12.3f}{pt / hp_:>8.2f}")
+    ok = all(r.get("verified", True) for r in results.values())
+    print("hp_dcp save -> zero -> load round trip:", "values equal" if ok else "MISMATCH")
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ from hp_dtensor import DTensor
 from ._flatten import flatten
 from ._meta import Chunk, Metadata, ObjectEntry, StoredObject, TensorEntry
 from ._plan import ReadItem, SavePlanner, WriteItem, plan_reads
-from ._storage import FileSystemWriter, dtype_name, open_checkpoint
+from ._storage import FileSystemWriter, HostStaging, dtype_name, open_checkpoint
 from .errors import CheckpointError, StateDictError
 
 __all__ = ["LoadPlanner", "async_save", "load", "save"]
@@ -170,6 +170,43 @@ def _to_cpu(d):
     return d
 
 
+def _host_items(mine):
+    """``(item, host data)`` in order. Pieces on a GPU are copied to pinned buffers on a side
+    stream one piece ahead, so each device-to-host copy overlaps the write of the piece before
+    it (the writer consumes a piece before asking for the next)."""
+    on_gpu = [
+        isinstance(d, torch.Tensor)
+        and d.device.type == "cuda"
+        and 0 < it.nbytes <= HostStaging.MAX_BYTES
+        for it, d in mine
+    ]
+    if not any(on_gpu):
+        for it, d in mine:
+            yield it, _to_cpu(d)
+        return
+    staging, stream = HostStaging(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def start(i):
+        it, d = mine[i]
+        if not on_gpu[i]:
+            return it, _to_cpu(d), None
+        u8, slot = staging.take(it.nbytes)
+        host = u8.view(d.dtype).view(d.shape)
+        with torch.cuda.stream(stream):
+            host.copy_(d, non_blocking=True)
+        staging.record(slot, stream)
+        return it, host, slot
+
+    ahead = start(0) if mine else None
+    for i in range(len(mine)):
+        it, host, slot = ahead
+        ahead = start(i + 1) if i + 1 < len(mine) else None
+        if slot is not None:
+            staging.wait(slot)
+        yield it, host
+
+
 def _metadata(results_by_rank, world) -> Metadata:
     md = Metadata(world_size=world)
     objs: dict[str, list] = {}
@@ -194,7 +231,7 @@ def _metadata(results_by_rank, world) -> Metadata:
 def _write_commit(writer, mine, group, rank, world) -> Metadata:
     """Write, exchange (2), commit on rank 0, broadcast the outcome."""
     try:
-        res: Any = writer.write(rank, [(it, _to_cpu(d)) for it, d in mine])
+        res: Any = writer.write(rank, _host_items(mine))
     except Exception as e:  # noqa: BLE001 - reported to rank 0, raised on every rank
         res = f"{type(e).__name__}: {e}"
     results = _all_gather(res, group, world)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+
 from hp_dtensor import DTensor, Replicate, Shard, local_shape_and_offset
 
 from ._api import _metadata

@@ -38,6 +38,7 @@ from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpoin
 __all__ = [
     "FileSystemReader",
     "FileSystemWriter",
+    "HostStaging",
     "SafetensorsReader",
     "TorchDCPReader",
     "byte_view",
@@ -206,6 +207,45 @@ class FileSystemWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class HostStaging:
+    """Two reusable host buffers, pinned, for copies between a GPU and the file that overlap with
+    file I/O (double buffering): while one buffer's device copy runs, the other is read from or
+    written to the file. ``take`` waits until the buffer's previous copy is done."""
+
+    MAX_BYTES = 1 << 30  # larger pieces go through an ordinary synchronous copy
+
+    def __init__(self) -> None:
+        self.slabs: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        slot = self.turn
+        self.turn ^= 1
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+            self.events[slot] = None
+        slab = self.slabs[slot]
+        if slab is None or slab.numel() < nbytes:
+            size = 1 << max(nbytes - 1, 1).bit_length()  # powers of two: few reallocations
+            slab = self.slabs[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return slab[:nbytes], slot
+
+    def record(self, slot: int, stream=None) -> None:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.events[slot] = ev
+
+    def wait(self, slot: int) -> None:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+            self.events[slot] = None
+
+    def drain(self) -> None:
+        for slot in (0, 1):
+            self.wait(slot)
+
+
 # ---------------------------------------------------------------------------------------------
 # Readers
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +260,30 @@ class _Reader:
         self.root = root
         self.metadata = metadata
         self._fds: dict[str, int] = {}
+        self._staging: HostStaging | None = None
+
+    def _host_buffer(self, shape, dtype, dest: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """Where to read a piece bound for ``dest``: a pinned staging buffer when ``dest`` is on
+        a GPU (then the copy to it is asynchronous), else fresh host memory."""
+        nbytes = numel(shape) * element_size(str(dtype).removeprefix("torch."))
+        if dest.device.type != "cuda" or nbytes > HostStaging.MAX_BYTES or nbytes == 0:
+            return torch.empty(shape, dtype=dtype), None
+        if self._staging is None:
+            self._staging = HostStaging()
+        u8, slot = self._staging.take(nbytes)
+        return u8.view(dtype).view(shape), slot
+
+    def _to_dest(self, dest: torch.Tensor, src: torch.Tensor, slot: int | None) -> None:
+        if slot is None:
+            dest.copy_(src)
+        else:
+            dest.copy_(src, non_blocking=True)
+            self._staging.record(slot)
+
+    def sync(self) -> None:
+        """Wait for the asynchronous copies into GPU tensors."""
+        if self._staging is not None:
+            self._staging.drain()
 
     def __enter__(self):
         return self
@@ -228,7 +292,8 @@ class _Reader:
         self.close()
 
     def close(self) -> None:
-        """Close the open files."""
+        """Finish pending copies and close the open files."""
+        self.sync()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -283,7 +348,7 @@ class _Reader:
             return self._read_torch_save(key, entry, item, dest)
         if whole:
             direct = dest.device.type == "cpu" and dest.dtype == dt and dest.is_contiguous()
-            buf = dest if direct else torch.empty(c.sizes, dtype=dt)
+            buf, slot = (dest, None) if direct else self._host_buffer(c.sizes, dt, dest)
             view = byte_view(buf)
             if view.nbytes != c.nbytes:
                 raise CheckpointError(
@@ -293,16 +358,16 @@ class _Reader:
             self.read_bytes_into(c.file, c.offset, view)
             self._check(key, c, zlib.crc32(view))
             if not direct:
-                dest.copy_(buf)
+                self._to_dest(dest, buf, slot)
             return c.nbytes
         # a part of the chunk: read only the rows (first dimension) it spans
         rel = [o - co for o, co in zip(item.offsets, c.offsets)]
         row = numel(c.sizes[1:]) * element_size(entry.dtype)
         r0, r1 = rel[0], rel[0] + item.sizes[0]
-        buf = torch.empty((r1 - r0, *c.sizes[1:]), dtype=dt)
+        buf, slot = self._host_buffer((r1 - r0, *c.sizes[1:]), dt, dest)
         self.read_bytes_into(c.file, c.offset + r0 * row, byte_view(buf))
         idx = (slice(None),) + tuple(slice(r, r + s) for r, s in zip(rel[1:], item.sizes[1:]))
-        dest.copy_(buf[idx])
+        self._to_dest(dest, buf[idx], slot)
         return buf.numel() * buf.element_size()
 
     def _read_torch_save(self, key, entry, item, dest) -> int:
