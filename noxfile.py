@@ -316,17 +316,27 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: the DTensor demo on 4 CPU ranks under torchrun."""
-    script = ROOT / "examples" / "dtensor_demo.py"
-    if not script.exists():
-        session.skip(f"{script.relative_to(ROOT)} does not exist yet")
-    _install_with_torch(session, _with_local_deps(["hp-dtensor"]), [])
+    """The main job: the tiny Llama 3 trained on the embedded corpus on 4 CPU ranks (FSDP 2 x
+    TP 2) for 100 steps with a checkpoint, then resumed from it for 20 more steps; prints where
+    the logs, checkpoints and loss plot went. ``nox -s demo -- --training.steps 300`` overrides."""
+    _install_with_torch(session, _with_local_deps(["hp-trainer"]), [])
+    config = "packages/hp-trainer/configs/llama3_tiny_fsdp2_tp2.toml"
+    env = {"OMP_NUM_THREADS": "1"}
+    out = ROOT / "outputs" / "llama3_tiny_fsdp2_tp2"  # the config's dump folder: start afresh
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
     session.run(
-        "torchrun",
-        "--standalone",
-        "--nproc_per_node=4",
-        script.relative_to(ROOT).as_posix(),
-        *session.posargs,
+        "hp-train", "--config", config, "--checkpoint.resume", "false", *session.posargs, env=env
+    )
+    session.log("resuming from the last checkpoint for 20 more steps")
+    steps = 120
+    for i, arg in enumerate(session.posargs):  # a --training.steps override moves the target
+        if arg == "--training.steps" and i + 1 < len(session.posargs):
+            steps = int(session.posargs[i + 1]) + 20
+    session.run(
+        "hp-train", "--config", config, *session.posargs, "--training.steps", str(steps), env=env
     )
 
 

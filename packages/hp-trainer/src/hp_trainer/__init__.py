@@ -1,18 +1,26 @@
-"""hp_trainer: models in single-device code, ``ParallelDims`` and (coming) the trainer and the
-``hp-train`` CLI. See the package README."""
+"""hp_trainer: models in single-device code, ``ParallelDims``, parallelize functions,
+``LLMTrainer`` and the ``hp-train`` CLI. See the package README."""
 
 from . import models
 from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, dp_mesh, parallelize_llama
+from ._trainer import Callback, LLMTrainer
+from .callbacks import LoggingCallback
+from .config import JobConfig, load_config
 from .errors import ConfigError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Callback",
     "ConfigError",
+    "JobConfig",
+    "LLMTrainer",
+    "LoggingCallback",
     "ParallelDims",
     "ParallelizeConfig",
     "dp_mesh",
+    "load_config",
     "models",
     "parallelize_llama",
 ]

@@ -13,7 +13,7 @@ import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
 
-__all__ = ["ParallelizeConfig", "dp_mesh", "parallelize_llama"]
+__all__ = ["ParallelizeConfig", "apply_activation_checkpoint", "dp_mesh", "parallelize_llama"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class ParallelizeConfig:
     FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard``."""
 
     sequence_parallel: bool = True
+    activation_checkpoint: str = "none"  # "none", "full" or "selective" (per block)
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -90,6 +91,22 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    """Run each block's forward under hp_offload's checkpoint (``mode`` "full" or "selective").
+    The block's forward is wrapped in place rather than the block in a wrapper module, so
+    parameter names, and with them checkpoints and HuggingFace names, do not change."""
+    from hp_offload import CheckpointPolicy, checkpoint
+
+    policy = CheckpointPolicy(mode=mode)
+    for block in model.layers.values():
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, policy=policy, **kwargs)
+
+        block.forward = forward
+
+
 def parallelize_llama(
     model: nn.Module,
     *,
@@ -101,7 +118,8 @@ def parallelize_llama(
 
     1. tensor parallelism over ``tp`` (attention heads and the feed-forward width split;
        with ``sequence_parallel`` the norms run on sequence shards);
-    2. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
+    2. activation checkpointing per block (``config.activation_checkpoint``);
+    3. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
        group, then the root.
 
     ``mesh`` defaults to ``parallel_dims.build_mesh()`` on the model's device type. Check the
@@ -117,11 +135,17 @@ def parallelize_llama(
         n_layers=cfg.n_layers,
         ffn_hidden=cfg.ffn_hidden,
     )
+    if parallel_dims.world_size == 1 and mesh is None:  # one process: only checkpointing applies
+        if config.activation_checkpoint != "none":
+            apply_activation_checkpoint(model, config.activation_checkpoint)
+        return model
     if mesh is None:
         mesh = parallel_dims.build_mesh(next(model.parameters()).device.type)
     if parallel_dims.tp > 1:
         _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree
+    if config.activation_checkpoint != "none":
+        apply_activation_checkpoint(model, config.activation_checkpoint)
     fsdp_mesh = dp_mesh(mesh, parallel_dims)
     if fsdp_mesh is not None:
         mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)

@@ -1,0 +1,326 @@
+"""``LLMTrainer``: the training loop over a parallelized model, with gradient accumulation,
+clipping, the LR schedule, checkpoint save/resume through hp-dcp and callbacks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import hp_dcp
+from hp_optim import AdamW, clip_grad_norm_, get_hyper_lr_scheduler
+
+from ._data import ByteTokenizer, TokenData, load_corpus, load_tokenizer
+from ._parallel_dims import ParallelDims
+from ._parallelize import ParallelizeConfig, parallelize_llama
+from .config import JobConfig
+from .errors import ConfigError
+from .models import Transformer, TransformerConfig, from_pretrained, get_config
+
+__all__ = ["Callback", "LLMTrainer"]
+
+
+class Callback:
+    """Hooks into the loop; override what you need. ``metrics`` holds ``loss``, ``grad_norm``,
+    ``lr``, ``tokens_per_s``, ``mfu`` (None where the peak is unknown), ``memory_gib``."""
+
+    def on_train_begin(self, trainer: LLMTrainer) -> None: ...
+
+    def on_step_end(self, trainer: LLMTrainer, step: int, metrics: dict) -> None: ...
+
+    def on_checkpoint(self, trainer: LLMTrainer, step: int, path: Path) -> None: ...
+
+    def on_train_end(self, trainer: LLMTrainer) -> None: ...
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 per GPU
+
+
+def _model_config(cfg: JobConfig) -> TransformerConfig:
+    if cfg.model.hf_path:
+        import json
+
+        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+        return TransformerConfig.from_hf(hf, max_seq_len=cfg.training.seq_len)
+    return get_config(cfg.model.name, max_seq_len=cfg.training.seq_len)
+
+
+class LLMTrainer:
+    """Train a decoder LM as ``config`` says. Everything that can be checked (degrees against
+    the world size and the model, batch sizes, files) is checked before the process group is
+    created; under ``torchrun`` the group is created here."""
+
+    def __init__(self, config: JobConfig, *, callbacks: list[Callback] | None = None) -> None:
+        self.config = cfg = config
+        t, p = cfg.training, cfg.parallelism
+        world = (
+            dist.get_world_size()
+            if dist.is_initialized()
+            else int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        self.parallel_dims = pd = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            etp=p.expert_tensor_parallel_degree,
+            world_size=world,
+        )
+        self.model_config = mc = _model_config(cfg)
+        pd.check_model(
+            n_heads=mc.n_heads,
+            n_kv_heads=mc.n_kv_heads,
+            n_layers=mc.n_layers,
+            ffn_hidden=mc.ffn_hidden,
+            global_batch_size=t.global_batch_size,
+            seq_len=t.seq_len,
+        )
+        unsupported = [
+            k
+            for k, v in (
+                ("pipeline_parallel_degree", pd.pp),
+                ("context_parallel_degree", pd.cp),
+                ("expert_parallel_degree", pd.ep),
+            )
+            if v > 1
+        ]
+        if unsupported:
+            raise ConfigError(
+                f"parallelism.{unsupported[0]} > 1 is not supported by LLMTrainer yet; use "
+                "hp_pipeline / the parallelize functions directly"
+            )
+        per_rank = t.global_batch_size // pd.dp
+        local = t.local_batch_size or per_rank
+        if per_rank % local:
+            raise ConfigError(
+                f"training.local_batch_size={local} does not divide the {per_rank} sequences "
+                f"per data-parallel rank (global_batch_size {t.global_batch_size} / dp {pd.dp})"
+            )
+        self.micro_batches = per_rank // local
+        self.callbacks = list(callbacks or [])
+        # -- processes ------------------------------------------------------------------------
+        cuda = torch.cuda.is_available()
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                "cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=datetime.timedelta(seconds=300)
+            )
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = torch.device(
+            f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+        )
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+        # -- model ----------------------------------------------------------------------------
+        if cfg.model.hf_path:
+            model = from_pretrained(cfg.model.hf_path, device=self.device, max_seq_len=t.seq_len)
+        else:
+            with torch.device(self.device):
+                model = Transformer(mc)
+        single = world == 1 and not dist.is_initialized()
+        self.mesh = None if single else pd.build_mesh(self.device.type)
+        self.model = parallelize_llama(
+            model,
+            parallel_dims=pd,
+            mesh=self.mesh,
+            config=ParallelizeConfig(
+                sequence_parallel=p.sequence_parallel,
+                activation_checkpoint=cfg.activation_checkpoint.mode,
+                param_dtype=None
+                if t.mixed_precision_param == "float32"
+                else _DTYPES[t.mixed_precision_param],
+                reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+            ),
+        )
+        self.dp_rank = 0
+        if self.mesh is not None:
+            names, coord = self.mesh.mesh_dim_names, self.mesh.get_coordinate()
+            rep = coord[names.index("dp_replicate")] if "dp_replicate" in names else 0
+            shard = coord[names.index("dp_shard")] if "dp_shard" in names else 0
+            self.dp_rank = rep * pd.dp_shard + shard
+        self.optimizer = AdamW(
+            self.model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay
+        )
+        self.scheduler = get_hyper_lr_scheduler(
+            self.optimizer,
+            {
+                "warmup_steps": min(t.warmup_steps, t.steps),
+                "total_steps": t.steps,
+                "decay_style": "cosine",
+                "min_lr_ratio": t.min_lr_ratio,
+            },
+        )
+        # -- data -----------------------------------------------------------------------------
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > mc.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer has {self.tokenizer.vocab_size} tokens, the model's vocabulary "
+                f"{mc.vocab_size}"
+            )
+        text = load_corpus(cfg.data.path)
+        if isinstance(self.tokenizer, ByteTokenizer):
+            tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+        else:
+            tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
+        self.data = TokenData(tokens, t.seq_len, t.global_batch_size, t.seed)
+        # -- outputs and resume ---------------------------------------------------------------
+        self.dump = Path(cfg.job.dump_folder)
+        self.ckpt_dir = self.dump / cfg.checkpoint.folder
+        self.step = 0
+        self.losses: list[float] = []
+        if cfg.checkpoint.enable and cfg.checkpoint.resume:
+            latest = self.latest_checkpoint()
+            if latest is not None:
+                self.load_checkpoint(latest)
+        self._pending = None
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a checkpoint holds."""
+        return {
+            "model": hp_dcp.ModelState(self.model),
+            "optimizer": hp_dcp.OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler,
+            "train": {"step": self.step, "losses": list(self.losses)},
+            "rng": hp_dcp.RNGState(),
+        }
+
+    def latest_checkpoint(self) -> Path | None:
+        """The committed ``step-N`` folder with the largest N, if any."""
+        if not self.ckpt_dir.exists():
+            return None
+        steps = [
+            (int(m.group(1)), d)
+            for d in self.ckpt_dir.iterdir()
+            if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "metadata.json").exists()
+        ]
+        return max(steps)[1] if steps else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = self.state()
+        hp_dcp.load(state, checkpoint_id=path)
+        self.step = state["train"]["step"]
+        self.losses = list(state["train"]["losses"])
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def save_checkpoint(self) -> Path:
+        path = self.ckpt_dir / f"step-{self.step}"
+        if self.config.checkpoint.async_mode:
+            self._pending = hp_dcp.async_save(self.state(), checkpoint_id=path)
+        else:
+            hp_dcp.save(self.state(), checkpoint_id=path)
+        self._prune()
+        for cb in self.callbacks:
+            cb.on_checkpoint(self, self.step, path)
+        return path
+
+    def _prune(self) -> None:
+        keep = self.config.checkpoint.keep_latest_k
+        if self.rank != 0 or keep <= 0 or not self.ckpt_dir.exists():
+            return
+        found = sorted(
+            (int(m.group(1)), d)
+            for d in self.ckpt_dir.iterdir()
+            if (m := re.fullmatch(r"step-(\d+)", d.name))
+        )
+        for _, d in found[: max(len(found) - keep, 0)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _reduce_mean(self, x: torch.Tensor) -> float:
+        if dist.is_initialized():
+            x = x.clone()
+            dist.all_reduce(x)  # tensor-parallel ranks hold the same value
+            return x.item() / dist.get_world_size()
+        return x.item()
+
+    def train_step(self) -> dict:
+        """One optimizer step (with gradient accumulation); returns its metrics."""
+        t = self.config.training
+        t0 = time.perf_counter()
+        step = self.step + 1
+        total = torch.zeros((), device=self.device)
+        for x, y in self.data.local_batches(
+            step, self.dp_rank, self.parallel_dims.dp, self.micro_batches
+        ):
+            x, y = x.to(self.device), y.to(self.device)
+            logits = self.model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / self.micro_batches
+            loss.backward()
+            total += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = (
+            clip_grad_norm_(params, t.max_norm)
+            if t.max_norm > 0
+            else clip_grad_norm_(params, float("inf"))
+        )
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        loss_v = self._reduce_mean(total)
+        self.losses.append(loss_v)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = t.global_batch_size * t.seq_len
+        return {
+            "loss": loss_v,
+            "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+            "lr": float(lr),
+            "tokens_per_s": tokens / dt,
+            "mfu": self._mfu(tokens / dt),
+            "memory_gib": self._memory_gib(),
+            "step_time_s": dt,
+        }
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        name = torch.cuda.get_device_name(self.device)
+        peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+        if peak is None:
+            return None
+        mc, s = self.model_config, self.config.training.seq_len
+        flops_per_token = 6 * mc.num_params(embeddings=False) + 12 * mc.n_layers * mc.dim * s
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return tokens_per_s * flops_per_token / (peak * world)
+
+    def _memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def train(self) -> list[float]:
+        """Run from the current step to ``training.steps``; returns every step's loss so far."""
+        cfg = self.config
+        for cb in self.callbacks:
+            cb.on_train_begin(self)
+        while self.step < cfg.training.steps:
+            metrics = self.train_step()
+            for cb in self.callbacks:
+                cb.on_step_end(self, self.step, metrics)
+            c = cfg.checkpoint
+            if c.enable and (self.step % c.interval == 0 or self.step == cfg.training.steps):
+                self.save_checkpoint()
+        if self._pending is not None:
+            self._pending.result()
+        for cb in self.callbacks:
+            cb.on_train_end(self)
+        return self.losses

@@ -1,0 +1,241 @@
+"""Job configuration: a TOML file plus command-line overrides (``--training.steps 50``), checked
+key by key before anything starts. Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Data",
+    "Job",
+    "JobConfig",
+    "Metrics",
+    "Model",
+    "Parallelism",
+    "Training",
+    "load_config",
+]
+
+
+@dataclass
+class Job:
+    name: str = "hp-run"
+    dump_folder: str = "./outputs"  # logs, TensorBoard events, plot, checkpoints go below it
+
+
+@dataclass
+class Model:
+    name: str = "llama3-tiny"  # a key of hp_trainer.models.CONFIGS
+    hf_path: str = ""  # a local HuggingFace folder to start from instead of random weights
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    seq_len: int = 128
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    local_batch_size: int = 0  # per rank and micro-step; 0: global / dp (no accumulation)
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    max_norm: float = 1.0  # gradient clipping; 0 disables it
+    mixed_precision_param: str = "float32"  # or "bfloat16"
+    mixed_precision_reduce: str = "float32"
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    expert_tensor_parallel_degree: int = 1
+    sequence_parallel: bool = True
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # "none", "full" or "selective"
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = True
+    folder: str = "checkpoint"  # below job.dump_folder
+    interval: int = 50
+    async_mode: bool = False
+    keep_latest_k: int = 2
+    resume: bool = True  # continue from the latest committed checkpoint in the folder
+
+
+@dataclass
+class Data:
+    path: str = ""  # a .txt or .jsonl file ("text" field); empty: the embedded corpus
+    tokenizer: str = "byte"  # "byte" or a local HuggingFace tokenizer folder
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    tensorboard: bool = True
+    plot: bool = True
+
+
+@dataclass
+class JobConfig:
+    """All sections; ``load_config`` builds one from TOML and overrides."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+def _suggest(name: str, options) -> str:
+    hint = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _convert(key: str, value, typ):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected an integer") from None
+        if f != int(f):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return int(f)
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected a number") from None
+    return str(value)
+
+
+def _set(cfg: JobConfig, dotted: str, value) -> None:
+    section, _, name = dotted.partition(".")
+    sections = _sections()
+    if section not in sections or not name:
+        raise ConfigError(
+            f"unknown config key {dotted!r}{_suggest(section, sections)}: sections are "
+            f"{sorted(sections)}"
+        )
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    if name not in hints:
+        raise ConfigError(
+            f"unknown config key {dotted!r}{_suggest(dotted, [f'{section}.{h}' for h in hints])}"
+        )
+    setattr(obj, name, _convert(dotted, value, hints[name]))
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``["--training.steps", "50", "--metrics.plot=false"]`` -> pairs."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"override {arg!r}: write --section.key value (e.g. --training.steps 50)"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override {arg!r} has no value")
+            value = argv[i + 1]
+            i += 1
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file, then ``--section.key value`` overrides. Unknown sections or
+    keys, values of the wrong type and a missing data file raise :class:`ConfigError` naming
+    the key."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"--config {str(path)!r}: no such file")
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {str(path)!r}: not valid TOML ({e})") from None
+        for section, values in doc.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config key {section!r} must be a [section]")
+            for k, v in values.items():
+                _set(cfg, f"{section}.{k}", v)
+    for key, value in parse_overrides(overrides or []):
+        _set(cfg, key, value)
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: JobConfig) -> None:
+    from .models import CONFIGS
+
+    t = cfg.training
+    problems = []
+    if cfg.model.name not in CONFIGS and not cfg.model.hf_path:
+        problems.append(
+            f"model.name={cfg.model.name!r}{_suggest(cfg.model.name, CONFIGS)}: use one of "
+            f"{sorted(CONFIGS)}"
+        )
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        problems.append(f"data.path={cfg.data.path!r}: no such file")
+    if cfg.model.hf_path and not (Path(cfg.model.hf_path) / "config.json").exists():
+        problems.append(f"model.hf_path={cfg.model.hf_path!r}: no config.json there")
+    for key in ("steps", "seq_len", "global_batch_size"):
+        if getattr(t, key) < 1:
+            problems.append(f"training.{key}={getattr(t, key)}: must be at least 1")
+    for key in ("mixed_precision_param", "mixed_precision_reduce"):
+        if getattr(t, key) not in ("float32", "bfloat16", "float16"):
+            problems.append(f"training.{key}={getattr(t, key)!r}: use float32, bfloat16 or float16")
+    if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
+        problems.append(
+            f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: use none, full or "
+            "selective"
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))

@@ -1,0 +1,130 @@
+"""``hp-train``: check the config, then launch ``python -m hp_trainer.train`` on ``--nproc``
+ranks through torchrun (``torch.distributed.run``); each rank runs :func:`run`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+from .config import load_config
+from .errors import ConfigError
+
+__all__ = ["main", "run"]
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(
+        prog="hp-train",
+        description="Train with HyperParallel. Overrides: --section.key value, "
+        "e.g. --training.steps 50",
+    )
+    ap.add_argument("--config", help="TOML job config")
+    ap.add_argument(
+        "--nproc", type=int, default=0, help="ranks on this host (default: the config's degrees)"
+    )
+    return ap.parse_known_args(argv)
+
+
+def _world_from(cfg) -> int:
+    p = cfg.parallelism
+    degrees = [
+        p.data_parallel_replicate_degree,
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.context_parallel_degree,
+    ]
+    shard = p.data_parallel_shard_degree
+    return math.prod(degrees) * (shard if shard > 0 else 1)
+
+
+def run(argv: list[str] | None = None) -> list[float]:
+    """One rank's job (what torchrun starts): train and report where the outputs went."""
+    from ._trainer import LLMTrainer
+    from .callbacks import LoggingCallback
+
+    args, overrides = _parse(argv)
+    cfg = load_config(args.config, overrides)
+    log = LoggingCallback(
+        log_freq=cfg.metrics.log_freq, tensorboard=cfg.metrics.tensorboard, plot=cfg.metrics.plot
+    )
+    trainer = LLMTrainer(cfg, callbacks=[log])
+    losses = trainer.train()
+    if trainer.rank == 0:
+        for what, path in sorted(log.paths.items()):
+            print(f"{what}: {path}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return losses
+
+
+def preflight(cfg, nproc: int) -> None:
+    """Every check that needs no process: degrees against ``nproc`` and the model, batch and
+    sequence sizes. Raises :class:`ConfigError`."""
+    from ._parallel_dims import ParallelDims
+    from ._trainer import _model_config
+
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+        world_size=nproc,
+    )
+    mc = _model_config(cfg)
+    pd.check_model(
+        n_heads=mc.n_heads,
+        n_kv_heads=mc.n_kv_heads,
+        n_layers=mc.n_layers,
+        ffn_hidden=mc.ffn_hidden,
+        global_batch_size=t.global_batch_size,
+        seq_len=t.seq_len,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``hp-train`` command: check everything, then hand over to torchrun."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, overrides = _parse(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        nproc = args.nproc or _world_from(cfg)
+        preflight(cfg, nproc)
+    except ConfigError as e:
+        print(f"hp-train: {e}", file=sys.stderr)
+        return 2
+    forward, skip = [], False  # the ranks get everything but --nproc
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            forward.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "hp_trainer.train",
+        *forward,
+    ]
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        run()
+    else:
+        sys.exit(main())

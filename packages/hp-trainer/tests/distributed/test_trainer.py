@@ -1,0 +1,124 @@
+"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 and HSDP 2 x 2 give the one-process losses (within
+1e-4) with accumulation, clipping and the LR schedule in the loop; a run killed after a
+checkpoint resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_testing.pytest_plugin import rank_pool_fixture
+from hp_trainer import Callback, LLMTrainer, load_config
+
+pool = rank_pool_fixture(4)
+CONFIGS = Path(__file__).parents[2] / "configs"
+FAST = [
+    "--training.seq_len",
+    "32",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "10",
+    "--training.local_batch_size",
+    "1",
+    "--checkpoint.interval",
+    "4",
+    "--metrics.tensorboard",
+    "false",
+]
+
+
+def _losses(dump, parallel, kill_at=None):
+    class Kill(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == kill_at:
+                raise KeyboardInterrupt
+
+    cfg = load_config(None, [*FAST, "--job.dump_folder", dump, *parallel])
+    try:
+        return LLMTrainer(cfg, callbacks=[Kill()]).train()
+    except KeyboardInterrupt:
+        return None
+
+
+PAR = {
+    "fsdp2xtp2": [
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "hsdp2x2": [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _losses(str(tmp_path_factory.mktemp("one")), [])
+
+
+@pytest.mark.parametrize("layout", sorted(PAR))
+def test_losses_match_one_process(pool, tmp_path, reference, layout):
+    assert reference[-1] < reference[0] - 0.3
+    for got in pool.run(_losses, str(tmp_path / "run"), PAR[layout]):
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=0)
+
+
+def test_kill_and_resume(pool, tmp_path):
+    straight = pool.run(_losses, str(tmp_path / "a"), PAR["fsdp2xtp2"])
+    assert pool.run(_losses, str(tmp_path / "b"), PAR["fsdp2xtp2"], 6) == [None] * 4  # killed at 6
+    resumed = pool.run(_losses, str(tmp_path / "b"), PAR["fsdp2xtp2"])  # from step 4
+    assert resumed == straight
+
+
+def test_hp_train_cli(tmp_path):
+    cfg = CONFIGS / "llama3_tiny_fsdp2_tp2.toml"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = [
+        sys.executable,
+        "-m",
+        "hp_trainer.train",
+        "--config",
+        str(cfg),
+        "--nproc",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        "--checkpoint.interval",
+        "2",
+    ]
+    args = [*base, "--training.steps", "4"]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"plot: {tmp_path / 'loss.png'}" in out.stdout and "checkpoint:" in out.stdout
+    assert (tmp_path / "checkpoint" / "step-4" / "metadata.json").exists()
+    again = subprocess.run(
+        [*base, "--training.steps", "6"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    # bad configs: one line naming the key, exit status 2, no process started
+    for extra, message in [
+        (["--parallelism.tensor_parallel_degree", "3"], "degrees multiply to 6"),
+        (
+            ["--nproc", "6", "--parallelism.tensor_parallel_degree", "3"],
+            "parallelism.tensor_parallel_degree=3 does not divide the model's 4 attention heads",
+        ),
+        (["--training.stepz", "3"], "unknown config key 'training.stepz'"),
+    ]:
+        bad = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith("hp-train: " + message[:10]), (
+            bad.stderr
+        )
+        assert message in bad.stderr
+        assert all("parallelism." in ln or "config key" in ln for ln in bad.stderr.splitlines())

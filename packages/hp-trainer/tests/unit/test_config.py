@@ -1,0 +1,67 @@
+"""Job config: TOML + overrides, one clear error per bad key, before anything starts."""
+
+import pytest
+
+from hp_trainer import ConfigError, load_config
+from hp_trainer.train import main, preflight
+
+
+def _toml(tmp_path, text):
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return p
+
+
+def test_toml_and_overrides(tmp_path):
+    p = _toml(
+        tmp_path, "[training]\nsteps = 7\nlr = 0.5\n[parallelism]\ntensor_parallel_degree = 2\n"
+    )
+    cfg = load_config(p, ["--training.steps", "9", "--metrics.plot=false", "--training.seq_len=64"])
+    assert cfg.training.steps == 9 and cfg.training.lr == 0.5 and cfg.training.seq_len == 64
+    assert cfg.metrics.plot is False and cfg.parallelism.tensor_parallel_degree == 2
+
+
+@pytest.mark.parametrize(
+    "text,overrides,message",
+    [
+        (
+            "[training]\nstepz = 3\n",
+            [],
+            "unknown config key 'training.stepz' (did you mean 'training.steps'",
+        ),
+        (
+            "[trainign]\nsteps = 3\n",
+            [],
+            "unknown config key 'trainign.steps' (did you mean 'training'",
+        ),
+        ("", ["--training.steps", "ten"], "training.steps='ten': expected an integer"),
+        ("", ["--metrics.plot", "maybe"], "metrics.plot='maybe': expected true or false"),
+        ("[data]\npath = 'nope.txt'\n", [], "data.path='nope.txt': no such file"),
+        (
+            "[model]\nname = 'llama3-tin'\n",
+            [],
+            "model.name='llama3-tin' (did you mean 'llama3-tiny'",
+        ),
+        ("", ["training.steps", "3"], "write --section.key value"),
+    ],
+)
+def test_bad_config_named(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(_toml(tmp_path, text), overrides)
+    assert message in str(e.value)
+
+
+def test_degrees_checked_before_any_process(tmp_path, capsys):
+    p = _toml(tmp_path, "[parallelism]\ntensor_parallel_degree = 3\n")
+    with pytest.raises(
+        ConfigError, match="tensor_parallel_degree=3 does not divide the model's 4 attention heads"
+    ):
+        preflight(load_config(p), 3)
+    # the CLI prints one line per problem and starts nothing (exit status 2)
+    assert main(["--config", str(p), "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hp-train: parallelism.tensor_parallel_degree=3 does not divide")
+    assert main(["--config", str(p), "--nproc", "4"]) == 2
+    assert "world size 4 is not divisible by" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="world size 4 is not divisible"):
+        preflight(load_config(p), 4)
