@@ -4,7 +4,7 @@
 from . import models
 from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, dp_mesh, parallelize_llama
-from ._trainer import Callback, LLMTrainer
+from ._trainer import Callback, LLMTrainer, preflight
 from .callbacks import LoggingCallback
 from .config import JobConfig, load_config
 from .errors import ConfigError
@@ -23,4 +23,5 @@ __all__ = [
     "load_config",
     "models",
     "parallelize_llama",
+    "preflight",
 ]

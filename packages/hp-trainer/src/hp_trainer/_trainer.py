@@ -24,7 +24,7 @@ from .config import JobConfig
 from .errors import ConfigError
 from .models import Transformer, TransformerConfig, from_pretrained, get_config
 
-__all__ = ["Callback", "LLMTrainer"]
+__all__ = ["Callback", "LLMTrainer", "preflight"]
 
 
 class Callback:
@@ -53,6 +53,33 @@ def _model_config(cfg: JobConfig) -> TransformerConfig:
     return get_config(cfg.model.name, max_seq_len=cfg.training.seq_len)
 
 
+def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, TransformerConfig]:
+    """Every check that needs no process: the degrees against ``world_size`` and against the
+    model, batch and sequence sizes. Returns the degrees and the model configuration; raises
+    :class:`ConfigError` listing every problem."""
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+        world_size=world_size,
+    )
+    mc = _model_config(cfg)
+    pd.check_model(
+        n_heads=mc.n_heads,
+        n_kv_heads=mc.n_kv_heads,
+        n_layers=mc.n_layers,
+        ffn_hidden=mc.ffn_hidden,
+        global_batch_size=t.global_batch_size,
+        seq_len=t.seq_len,
+    )
+    return pd, mc
+
+
 class LLMTrainer:
     """Train a decoder LM as ``config`` says. Everything that can be checked (degrees against
     the world size and the model, batch sizes, files) is checked before the process group is
@@ -66,25 +93,8 @@ class LLMTrainer:
             if dist.is_initialized()
             else int(os.environ.get("WORLD_SIZE", "1"))
         )
-        self.parallel_dims = pd = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            ep=p.expert_parallel_degree,
-            etp=p.expert_tensor_parallel_degree,
-            world_size=world,
-        )
-        self.model_config = mc = _model_config(cfg)
-        pd.check_model(
-            n_heads=mc.n_heads,
-            n_kv_heads=mc.n_kv_heads,
-            n_layers=mc.n_layers,
-            ffn_hidden=mc.ffn_hidden,
-            global_batch_size=t.global_batch_size,
-            seq_len=t.seq_len,
-        )
+        self.parallel_dims, self.model_config = preflight(cfg, world)
+        pd, mc = self.parallel_dims, self.model_config
         unsupported = [
             k
             for k, v in (

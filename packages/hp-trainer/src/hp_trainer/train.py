@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from ._trainer import preflight
 from .config import load_config
 from .errors import ConfigError
 
@@ -61,34 +62,6 @@ def run(argv: list[str] | None = None) -> list[float]:
         dist.barrier()
         dist.destroy_process_group()
     return losses
-
-
-def preflight(cfg, nproc: int) -> None:
-    """Every check that needs no process: degrees against ``nproc`` and the model, batch and
-    sequence sizes. Raises :class:`ConfigError`."""
-    from ._parallel_dims import ParallelDims
-    from ._trainer import _model_config
-
-    p, t = cfg.parallelism, cfg.training
-    pd = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree,
-        etp=p.expert_tensor_parallel_degree,
-        world_size=nproc,
-    )
-    mc = _model_config(cfg)
-    pd.check_model(
-        n_heads=mc.n_heads,
-        n_kv_heads=mc.n_kv_heads,
-        n_layers=mc.n_layers,
-        ffn_hidden=mc.ffn_hidden,
-        global_batch_size=t.global_batch_size,
-        seq_len=t.seq_len,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hp_trainer import ConfigError, load_config
-from hp_trainer.train import main, preflight
+from hp_trainer import ConfigError, load_config, preflight
+from hp_trainer.train import main
 
 
 def _toml(tmp_path, text):
