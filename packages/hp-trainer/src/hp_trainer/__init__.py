@@ -4,6 +4,7 @@
 from . import models
 from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, dp_mesh, parallelize_llama
+from ._pipeline import StageSet, pipeline_llama
 from ._trainer import Callback, LLMTrainer, preflight
 from .callbacks import LoggingCallback
 from .config import JobConfig, load_config
@@ -19,9 +20,11 @@ __all__ = [
     "LoggingCallback",
     "ParallelDims",
     "ParallelizeConfig",
+    "StageSet",
     "dp_mesh",
     "load_config",
     "models",
     "parallelize_llama",
+    "pipeline_llama",
     "preflight",
 ]

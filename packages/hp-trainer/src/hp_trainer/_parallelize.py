@@ -59,13 +59,15 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
     )
 
     seq = hp.Shard(1) if sp else hp.Replicate()
-    top = {
-        "tok_embeddings": RowwiseParallel(input_layouts=hp.Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=hp.Replicate()),
-    }
-    if sp:
+    top = {}  # a pipeline stage may lack the embedding, the final norm or the output
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=hp.Replicate(), output_layouts=seq)
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=hp.Replicate())
+    if sp and model.norm is not None:
         top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
+    if top:
+        parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(

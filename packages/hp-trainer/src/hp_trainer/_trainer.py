@@ -20,6 +20,7 @@ from hp_optim import AdamW, clip_grad_norm_, get_hyper_lr_scheduler
 from ._data import ByteTokenizer, TokenData, load_corpus, load_tokenizer
 from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, parallelize_llama
+from ._pipeline import SCHEDULES, pipeline_llama
 from .config import JobConfig
 from .errors import ConfigError
 from .models import Transformer, TransformerConfig, from_pretrained, get_config
@@ -76,8 +77,13 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         ffn_hidden=mc.ffn_hidden,
         global_batch_size=t.global_batch_size,
         seq_len=t.seq_len,
+        stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
     )
     return pd, mc
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 class LLMTrainer:
@@ -98,7 +104,6 @@ class LLMTrainer:
         unsupported = [
             k
             for k, v in (
-                ("pipeline_parallel_degree", pd.pp),
                 ("context_parallel_degree", pd.cp),
                 ("expert_parallel_degree", pd.ep),
             )
@@ -117,6 +122,19 @@ class LLMTrainer:
                 f"per data-parallel rank (global_batch_size {t.global_batch_size} / dp {pd.dp})"
             )
         self.micro_batches = per_rank // local
+        if pd.pp > 1:
+            n_mb = p.pipeline_microbatches or pd.pp
+            if self.micro_batches != 1:
+                raise ConfigError(
+                    "training.local_batch_size: gradient accumulation with pipeline parallelism "
+                    "is not supported; use parallelism.pipeline_microbatches to split the batch"
+                )
+            if per_rank % n_mb:
+                raise ConfigError(
+                    f"parallelism.pipeline_microbatches={n_mb} does not divide the {per_rank} "
+                    "sequences per data-parallel rank"
+                )
+            self.pipeline_microbatches = n_mb
         self.callbacks = list(callbacks or [])
         # -- processes ------------------------------------------------------------------------
         cuda = torch.cuda.is_available()
@@ -141,19 +159,31 @@ class LLMTrainer:
                 model = Transformer(mc)
         single = world == 1 and not dist.is_initialized()
         self.mesh = None if single else pd.build_mesh(self.device.type)
-        self.model = parallelize_llama(
-            model,
-            parallel_dims=pd,
-            mesh=self.mesh,
-            config=ParallelizeConfig(
-                sequence_parallel=p.sequence_parallel,
-                activation_checkpoint=cfg.activation_checkpoint.mode,
-                param_dtype=None
-                if t.mixed_precision_param == "float32"
-                else _DTYPES[t.mixed_precision_param],
-                reduce_dtype=_DTYPES[t.mixed_precision_reduce],
-            ),
+        pconf = ParallelizeConfig(
+            sequence_parallel=p.sequence_parallel,
+            activation_checkpoint=cfg.activation_checkpoint.mode,
+            param_dtype=None
+            if t.mixed_precision_param == "float32"
+            else _DTYPES[t.mixed_precision_param],
+            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
         )
+        self.schedule = None
+        if pd.pp > 1:
+            self.schedule, self.model = pipeline_llama(
+                model,
+                parallel_dims=pd,
+                mesh=self.mesh,
+                schedule=p.pipeline_schedule,
+                n_microbatches=self.pipeline_microbatches,
+                loss_fn=_loss,
+                config=pconf,
+                device=self.device,
+            )
+            n_stages = len(self.schedule.placement)
+            self.has_first = "0" in self.model.stages
+            self.has_last = str(n_stages - 1) in self.model.stages
+        else:
+            self.model = parallelize_llama(model, parallel_dims=pd, mesh=self.mesh, config=pconf)
         self.dp_rank = 0
         if self.mesh is not None:
             names, coord = self.mesh.mesh_dim_names, self.mesh.get_coordinate()
@@ -253,9 +283,26 @@ class LLMTrainer:
     def _reduce_mean(self, x: torch.Tensor) -> float:
         if dist.is_initialized():
             x = x.clone()
-            dist.all_reduce(x)  # tensor-parallel ranks hold the same value
-            return x.item() / dist.get_world_size()
+            dist.all_reduce(x)  # tensor-parallel ranks hold the same value; with a pipeline
+            # only the last stage's ranks hold one
+            return x.item() * self.parallel_dims.pp / dist.get_world_size()
         return x.item()
+
+    def _clip(self, params, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` (0: only measure) by the norm over the whole model: each
+        pipeline stage's norm (exact over its DTensor shards) is combined over the stages."""
+        if self.parallel_dims.pp == 1:
+            return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = clip_grad_norm_(params, float("inf"))
+        sq = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach().float() ** 2
+        dist.all_reduce(sq, group=self.mesh.get_group("pp"))
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(coef.to(p.grad.device))
+        return norm
 
     def train_step(self) -> dict:
         """One optimizer step (with gradient accumulation); returns its metrics."""
@@ -263,20 +310,25 @@ class LLMTrainer:
         t0 = time.perf_counter()
         step = self.step + 1
         total = torch.zeros((), device=self.device)
-        for x, y in self.data.local_batches(
-            step, self.dp_rank, self.parallel_dims.dp, self.micro_batches
-        ):
+        if self.schedule is not None:  # one pipelined step over the rank's batch
+            ((x, y),) = self.data.local_batches(step, self.dp_rank, self.parallel_dims.dp, 1)
             x, y = x.to(self.device), y.to(self.device)
-            logits = self.model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / self.micro_batches
-            loss.backward()
-            total += loss.detach()
+            losses: list = []
+            args = (x,) if self.has_first else ()
+            kw = {"target": y, "losses": losses} if self.has_last else {}
+            self.schedule.step(*args, **kw)
+            if losses:
+                total += torch.stack([v.detach().float() for v in losses]).mean()
+        else:
+            for x, y in self.data.local_batches(
+                step, self.dp_rank, self.parallel_dims.dp, self.micro_batches
+            ):
+                x, y = x.to(self.device), y.to(self.device)
+                loss = _loss(self.model(x), y) / self.micro_batches
+                loss.backward()
+                total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = (
-            clip_grad_norm_(params, t.max_norm)
-            if t.max_norm > 0
-            else clip_grad_norm_(params, float("inf"))
-        )
+        norm = self._clip(params, t.max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

@@ -70,6 +70,8 @@ class Parallelism:
     expert_parallel_degree: int = 1
     expert_tensor_parallel_degree: int = 1
     sequence_parallel: bool = True
+    pipeline_schedule: str = "1f1b"  # "gpipe", "1f1b", "interleaved_1f1b" or "zbv"
+    pipeline_microbatches: int = 0  # per step and data-parallel rank; 0: the pipeline degree
 
 
 @dataclass
@@ -232,6 +234,13 @@ def _check(cfg: JobConfig) -> None:
     for key in ("mixed_precision_param", "mixed_precision_reduce"):
         if getattr(t, key) not in ("float32", "bfloat16", "float16"):
             problems.append(f"training.{key}={getattr(t, key)!r}: use float32, bfloat16 or float16")
+    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+    if cfg.parallelism.pipeline_schedule not in schedules:
+        problems.append(
+            f"parallelism.pipeline_schedule={cfg.parallelism.pipeline_schedule!r}"
+            f"{_suggest(cfg.parallelism.pipeline_schedule, schedules)}: use one of "
+            f"{list(schedules)}"
+        )
     if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
         problems.append(
             f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: use none, full or "

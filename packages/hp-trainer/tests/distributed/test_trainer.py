@@ -1,6 +1,7 @@
-"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 and HSDP 2 x 2 give the one-process losses (within
-1e-4) with accumulation, clipping and the LR schedule in the loop; a run killed after a
-checkpoint resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
+"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x FSDP 2 (1F1B, activation
+checkpointing) and PP 2 x TP 2 (GPipe) give the one-process losses (within 1e-4) with
+accumulation, clipping and the LR schedule in the loop; a run killed after a checkpoint
+resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
 
 import os
 import subprocess
@@ -45,19 +46,18 @@ def _losses(dump, parallel, kill_at=None):
 
 
 PAR = {
-    "fsdp2xtp2": [
-        "--parallelism.data_parallel_shard_degree",
-        "2",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-    ],
-    "hsdp2x2": [
-        "--parallelism.data_parallel_replicate_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "2",
-    ],
+    "fsdp2xtp2": "--parallelism.data_parallel_shard_degree 2 "
+    "--parallelism.tensor_parallel_degree 2",
+    "hsdp2x2": "--parallelism.data_parallel_replicate_degree 2 "
+    "--parallelism.data_parallel_shard_degree 2",
+    "pp2xfsdp2-ac": "--parallelism.pipeline_parallel_degree 2 "
+    "--parallelism.data_parallel_shard_degree 2 --parallelism.pipeline_microbatches 2 "
+    "--training.local_batch_size 0 --activation_checkpoint.mode full",
+    "pp2xtp2-gpipe": "--parallelism.pipeline_parallel_degree 2 "
+    "--parallelism.tensor_parallel_degree 2 --parallelism.pipeline_schedule gpipe "
+    "--parallelism.pipeline_microbatches 4 --training.local_batch_size 0",
 }
+PAR = {k: v.split() for k, v in PAR.items()}
 
 
 @pytest.fixture(scope="module")

@@ -65,3 +65,14 @@ def test_degrees_checked_before_any_process(tmp_path, capsys):
     assert "world size 4 is not divisible by" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="world size 4 is not divisible"):
         preflight(load_config(p), 4)
+
+
+def test_pipeline_checks(tmp_path):
+    p = _toml(tmp_path, "[parallelism]\npipeline_parallel_degree = 2\npipeline_schedule = 'zbv'\n")
+    with pytest.raises(
+        ConfigError,
+        match="pipeline_parallel_degree=2 x 2 stage\\(s\\) per rank exceeds the model's 2 layers",
+    ):
+        preflight(load_config(p), 2)
+    with pytest.raises(ConfigError, match="pipeline_schedule='1fb1' \\(did you mean '1f1b'"):
+        load_config(None, ["--parallelism.pipeline_schedule", "1fb1"])

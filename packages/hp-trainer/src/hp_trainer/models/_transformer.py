@@ -88,7 +88,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        # the tables cover max_seq_len; the sequence here is whole even under sequence
+        # parallelism (the input was gathered), and also in a later pipeline stage
+        cos, sin = cos[:, :s].to(q.dtype), sin[:, :s].to(q.dtype)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -145,7 +147,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding as the output projection when ``tie_word_embeddings`` (again
         after ``to_empty``, which gives each module its own new parameter)."""
-        if self.config.tie_word_embeddings and self.output is not None:
+        if self.config.tie_word_embeddings and None not in (self.output, self.tok_embeddings):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
@@ -172,16 +174,19 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = cos, sin
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        if s > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {s} exceeds the model's max_seq_len={self.config.max_seq_len}: "
-                "build the model with a larger max_seq_len"
-            )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos[:, :s], self.rope_sin[:, :s]
+        """Token ids ``[b, s]`` -> logits ``[b, s, vocab]``. A pipeline stage without the
+        embedding takes hidden states, one without the output returns them."""
+        if self.tok_embeddings is not None:
+            if tokens.shape[1] > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len="
+                    f"{self.config.max_seq_len}: build the model with a larger max_seq_len"
+                )
+            h = self.tok_embeddings(tokens)
+        else:
+            h = tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,132 @@
+"""Pipeline parallelism for the Llama/Qwen3 :class:`~hp_trainer.models.Transformer`: cut it into
+stages that keep their parameter names, parallelize each stage (TP, checkpointing, FSDP over the
+data-parallel part of the mesh) and drive them with an hp_pipeline schedule."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ._parallel_dims import ParallelDims
+from ._parallelize import ParallelizeConfig, parallelize_llama
+from .errors import ConfigError
+
+__all__ = ["SCHEDULES", "StageSet", "layer_ranges", "pipeline_llama", "split_stage"]
+
+#: schedule name -> stages per rank
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Blocks ``[lo, hi)`` per stage: as even as possible, earlier stages taking the rest."""
+    if n_stages > n_layers:
+        raise ConfigError(f"{n_stages} pipeline stages for {n_layers} layers: use fewer stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, lo = [], 0
+    for s in range(n_stages):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def split_stage(model: nn.Module, lo: int, hi: int, first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` keeping blocks ``lo..hi-1`` (under their own names), the embedding
+    when ``first``, the final norm and output when ``last``."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers.keys()):
+        if not lo <= int(name) < hi:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+class StageSet(nn.Module):
+    """This rank's stage modules seen as one model: ``named_parameters`` and ``state_dict``
+    with the full model's names (the stages' blocks keep theirs), so checkpoints and the
+    optimizer state are interchangeable with an unpipelined run."""
+
+    def __init__(self, stages: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleDict({str(k): v for k, v in stages.items()})
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator:
+        for mod in self.stages.values():
+            yield from mod.named_parameters(prefix=prefix, recurse=recurse)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        out = {}
+        for mod in self.stages.values():
+            out.update(mod.state_dict())
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        for mod in self.stages.values():
+            mine = {k: v for k, v in state_dict.items() if k in mod.state_dict()}
+            mod.load_state_dict(mine, strict=False, assign=assign)
+
+
+def pipeline_llama(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    mesh,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable,
+    config: ParallelizeConfig | None = None,
+    device: torch.device | None = None,
+):
+    """Cut ``model`` into ``pp x v`` stages (``v`` = stages per rank of the schedule), keep this
+    rank's, parallelize each with :func:`parallelize_llama` and build the schedule.
+
+    Returns ``(schedule, stages)``: an hp_pipeline schedule and a :class:`StageSet` of this
+    rank's stage modules. Tied embeddings cannot be split across stages (raises)."""
+    from hp_pipeline import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBV,
+        build_schedule,
+    )
+
+    if schedule not in SCHEDULES:
+        raise ConfigError(
+            f"parallelism.pipeline_schedule={schedule!r}: use one of {sorted(SCHEDULES)}"
+        )
+    if model.config.tie_word_embeddings:
+        raise ConfigError(
+            "a model with tied embeddings cannot be pipelined (the embedding and the output "
+            "would sit on different stages): untie them or set pipeline_parallel_degree = 1"
+        )
+    pp, v = parallel_dims.pp, SCHEDULES[schedule]
+    n_stages = pp * v
+    placement = build_schedule(schedule, pp, n_microbatches)[1]
+    rank = mesh.get_local_rank("pp")
+    ranges = layer_ranges(model.config.n_layers, n_stages)
+    mods = {}
+    for s in range(n_stages):
+        if placement[s] == rank:
+            lo, hi = ranges[s]
+            mod = split_stage(model, lo, hi, s == 0, s == n_stages - 1)
+            mods[s] = parallelize_llama(mod, parallel_dims=parallel_dims, mesh=mesh, config=config)
+    group = mesh.get_group("pp")
+    stages = [PipelineStage(mods[s], s, n_stages, device=device, group=group) for s in sorted(mods)]
+    cls = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zbv": ScheduleZBV,
+    }[schedule]
+    sched = cls(stages if v > 1 else stages[0], n_microbatches, loss_fn=loss_fn)
+    return sched, StageSet(mods)
