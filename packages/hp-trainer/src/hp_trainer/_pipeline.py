@@ -20,17 +20,24 @@ __all__ = ["SCHEDULES", "StageSet", "layer_ranges", "pipeline_llama", "split_sta
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
-def layer_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Blocks ``[lo, hi)`` per stage: as even as possible, earlier stages taking the rest."""
-    if n_stages > n_layers:
-        raise ConfigError(f"{n_stages} pipeline stages for {n_layers} layers: use fewer stages")
-    base, extra = divmod(n_layers, n_stages)
-    out, lo = [], 0
-    for s in range(n_stages):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+def layer_ranges(cfg, n_stages: int, seq_len: int | None = None) -> list[tuple[int, int]]:
+    """Blocks ``[lo, hi)`` per stage, balanced by ``hp_pipeline.balance_stages`` on the cost per
+    token of each block (``6 x`` its parameters plus attention over ``seq_len``) with the output
+    projection's cost on the last block and the embedding's memory on the first: with a large
+    vocabulary the last stage gets fewer blocks."""
+    from hp_pipeline import balance_stages
+
+    n = cfg.n_layers
+    if n_stages > n:
+        raise ConfigError(f"{n_stages} pipeline stages for {n} layers: use fewer stages")
+    seq = seq_len or cfg.max_seq_len
+    block = (cfg.num_params(embeddings=False) - cfg.dim) / n
+    costs = [6 * block + 12 * cfg.dim * seq] * n
+    memory = [block] * n
+    costs[-1] += 6 * cfg.vocab_size * cfg.dim  # the output projection
+    memory[0] += cfg.vocab_size * cfg.dim
+    memory[-1] += cfg.vocab_size * cfg.dim
+    return [tuple(b) for b in balance_stages(costs, memory, n_stages).boundaries]
 
 
 def split_stage(model: nn.Module, lo: int, hi: int, first: bool, last: bool) -> nn.Module:
@@ -113,7 +120,7 @@ def pipeline_llama(
     n_stages = pp * v
     placement = build_schedule(schedule, pp, n_microbatches)[1]
     rank = mesh.get_local_rank("pp")
-    ranges = layer_ranges(model.config.n_layers, n_stages)
+    ranges = layer_ranges(model.config, n_stages)
     mods = {}
     for s in range(n_stages):
         if placement[s] == rank:

@@ -44,3 +44,18 @@ def test_model_checks():
     assert "pipeline_parallel_degree=2" in lines[2] and "1 layers" in lines[2]
     assert "global_batch_size=3" in lines[3] and "training.seq_len=6" in lines[4]
     ParallelDims(tp=2, world_size=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2)
+
+
+def test_pipeline_stages_balanced_with_the_output_cost():
+    from hp_trainer._pipeline import layer_ranges
+    from hp_trainer.models import get_config
+
+    # Llama 3 8B on 4 stages: the 128K-vocabulary output weighs ~3 blocks, so the last stage
+    # takes fewer blocks than the others
+    ranges = layer_ranges(get_config("llama3-8b"), 4)
+    sizes = [hi - lo for lo, hi in ranges]
+    assert sum(sizes) == 32 and ranges[0][0] == 0 and ranges[-1][1] == 32
+    assert sizes[-1] < min(sizes[:-1])
+    assert layer_ranges(get_config("llama3-tiny"), 2) == [(0, 1), (1, 2)]
+    with pytest.raises(ConfigError, match="4 pipeline stages for 2 layers"):
+        layer_ranges(get_config("llama3-tiny"), 4)
