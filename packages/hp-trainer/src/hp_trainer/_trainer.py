@@ -358,7 +358,10 @@ class LLMTrainer:
         if peak is None:
             return None
         mc, s = self.model_config, self.config.training.seq_len
-        flops_per_token = 6 * mc.num_params(embeddings=False) + 12 * mc.n_layers * mc.dim * s
+        # 6 x (parameters without the input embedding: the output projection computes even when
+        # tied) + attention scores and values, as torchtitan and GPU-ANCHORS.md count
+        n = mc.num_params(embeddings=False) + mc.vocab_size * mc.dim
+        flops_per_token = 6 * n + 12 * mc.n_layers * mc.dim * s
         world = dist.get_world_size() if dist.is_initialized() else 1
         return tokens_per_s * flops_per_token / (peak * world)
 
