@@ -12,6 +12,7 @@ import torch.nn as nn
 import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
+from .errors import ConfigError
 
 __all__ = ["ParallelizeConfig", "apply_activation_checkpoint", "dp_mesh", "parallelize_llama"]
 
@@ -143,6 +144,11 @@ def parallelize_llama(
         return model
     if mesh is None:
         mesh = parallel_dims.build_mesh(next(model.parameters()).device.type)
+    if parallel_dims.tp > 1 and cfg.architecture == "qwen3_5":
+        raise ConfigError(
+            "parallelism.tensor_parallel_degree > 1 is not supported for qwen3_5 yet (Gated "
+            "DeltaNet heads are not split): use FSDP/HSDP or pipeline parallelism"
+        )
     if parallel_dims.tp > 1:
         _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree

@@ -38,6 +38,14 @@ class TransformerConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # Qwen3.5 (architecture "qwen3_5"): hybrid blocks, partial rotary, gated attention
+    layer_types: tuple[str, ...] | None = None  # "linear_attention" / "full_attention" per block
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
 
     @property
     def hd(self) -> int:
@@ -59,8 +67,22 @@ class TransformerConfig:
             )
         if self.hd % 2:
             problems.append(f"head dimension {self.hd} must be even for rotary embeddings")
-        if self.architecture not in ("llama", "qwen3"):
-            problems.append(f"architecture={self.architecture!r}: use 'llama' or 'qwen3'")
+        if self.architecture not in ("llama", "qwen3", "qwen3_5"):
+            problems.append(
+                f"architecture={self.architecture!r}: use 'llama', 'qwen3' or 'qwen3_5'"
+            )
+        if self.architecture == "qwen3_5":
+            if self.layer_types is None or len(self.layer_types) != self.n_layers:
+                problems.append("qwen3_5 needs layer_types: one entry per layer")
+            elif set(self.layer_types) - {"linear_attention", "full_attention"}:
+                problems.append(f"layer_types: unknown entries {set(self.layer_types)}")
+            if self.linear_num_key_heads < 1 or self.linear_num_value_heads % max(
+                self.linear_num_key_heads, 1
+            ):
+                problems.append(
+                    f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                    f"linear_num_key_heads={self.linear_num_key_heads} (>= 1)"
+                )
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -86,6 +108,8 @@ class TransformerConfig:
     def from_hf(cls, hf: dict, *, max_seq_len: int | None = None) -> TransformerConfig:
         """From a HuggingFace ``config.json`` dict of a supported ``model_type``."""
         mt = hf.get("model_type")
+        if mt in ("qwen3_5", "qwen3_5_text"):
+            return cls._from_hf_qwen3_5(hf.get("text_config", hf), max_seq_len)
         if mt not in ("llama", "qwen3"):
             raise ConfigError(
                 f"config.json model_type={mt!r} is not supported: use a 'llama' or 'qwen3' "
@@ -125,8 +149,73 @@ class TransformerConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
         )
 
+    @classmethod
+    def _from_hf_qwen3_5(cls, hf: dict, max_seq_len: int | None) -> TransformerConfig:
+        rope = dict(hf.get("rope_parameters") or {})
+        n = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or [
+            "full_attention"
+            if (i + 1) % hf.get("full_attention_interval", 4) == 0
+            else "linear_attention"
+            for i in range(n)
+        ]
+        return cls(
+            architecture="qwen3_5",
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=n,
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf["num_key_value_heads"],
+            head_dim=hf.get("head_dim"),
+            ffn_hidden=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_seq_len=max_seq_len or min(hf.get("max_position_embeddings", 2048), 8192),
+            qk_norm=True,
+            attention_bias=hf.get("attention_bias", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            layer_types=tuple(types),
+            partial_rotary_factor=rope.get(
+                "partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)
+            ),
+            linear_num_key_heads=hf["linear_num_key_heads"],
+            linear_num_value_heads=hf["linear_num_value_heads"],
+            linear_key_head_dim=hf["linear_key_head_dim"],
+            linear_value_head_dim=hf["linear_value_head_dim"],
+            linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+        )
+
     def to_hf(self) -> dict:
         """A HuggingFace ``config.json`` dict (``LlamaForCausalLM`` / ``Qwen3ForCausalLM``)."""
+        if self.architecture == "qwen3_5":
+            return {
+                "architectures": ["Qwen3_5ForCausalLM"],
+                "model_type": "qwen3_5_text",
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.dim,
+                "intermediate_size": self.ffn_hidden,
+                "num_hidden_layers": self.n_layers,
+                "num_attention_heads": self.n_heads,
+                "num_key_value_heads": self.n_kv_heads,
+                "head_dim": self.hd,
+                "rms_norm_eps": self.norm_eps,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": self.rope_theta,
+                    "partial_rotary_factor": self.partial_rotary_factor,
+                },
+                "max_position_embeddings": self.max_seq_len,
+                "attention_bias": self.attention_bias,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "layer_types": list(self.layer_types),
+                "linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads,
+                "linear_key_head_dim": self.linear_key_head_dim,
+                "linear_value_head_dim": self.linear_value_head_dim,
+                "linear_conv_kernel_dim": self.linear_conv_kernel,
+                "hidden_act": "silu",
+                "torch_dtype": "float32",
+            }
         arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.architecture]
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
@@ -244,6 +333,28 @@ CONFIGS: dict[str, TransformerConfig] = {
         256,
         qk_norm=True,
         tie_word_embeddings=True,
+    ),
+    "qwen3.5-tiny": TransformerConfig(
+        "qwen3_5",
+        256,
+        64,
+        4,
+        4,
+        2,
+        16,
+        160,
+        1e-6,
+        10000000.0,
+        None,
+        256,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
     ),
 }
 

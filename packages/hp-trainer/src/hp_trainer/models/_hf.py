@@ -38,6 +38,7 @@ _TO_HF = [
     (r"layers\.(\d+)\.feed_forward\.w2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
     (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
     (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.linear_attention\.(.+)", r"model.layers.\1.linear_attn.\2"),
 ]
 _FROM_HF = [
     (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
@@ -56,6 +57,7 @@ _FROM_HF = [
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.(weight|bias)", r"layers.\1.feed_forward.w2.\2"),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.linear_attn\.(.+)", r"layers.\1.linear_attention.\2"),
 ]
 
 

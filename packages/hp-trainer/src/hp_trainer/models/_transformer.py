@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
 
 def _inv_freq(cfg: TransformerConfig) -> torch.Tensor:
-    hd = cfg.hd
+    hd = int(cfg.hd * cfg.partial_rotary_factor)  # Qwen3.5 rotates a quarter of each head
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     sc = cfg.rope_scaling
     if sc:  # Llama 3.1: long wavelengths slowed by `factor`, a smooth ramp in between
@@ -112,17 +112,30 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm attention and feed-forward with residuals."""
+    """Pre-norm attention and feed-forward with residuals. In Qwen3.5 the attention is either
+    Gated DeltaNet (``linear_attention``) or gated full attention (``attention``), chosen by
+    ``layer_types[layer]``, and the norms are zero-centred."""
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.architecture == "qwen3_5":
+            from ._qwen3_5 import GatedAttention, GatedDeltaNet, ZeroCenteredRMSNorm
+
+            self.attention_norm = ZeroCenteredRMSNorm(cfg.dim, cfg.norm_eps)
+            if cfg.layer_types[layer] == "linear_attention":
+                self.linear_attention = GatedDeltaNet(cfg)
+            else:
+                self.attention = GatedAttention(cfg)
+            self.ffn_norm = ZeroCenteredRMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.attention = Attention(cfg)
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+        mixer = getattr(self, "attention", None) or self.linear_attention
+        x = x + mixer(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -135,8 +148,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        if cfg.architecture == "qwen3_5":
+            from ._qwen3_5 import ZeroCenteredRMSNorm
+
+            self.norm = ZeroCenteredRMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         cos, sin = rotary_tables(cfg)
@@ -160,8 +178,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(m.weight, std=std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                m.reset_parameters()
+            elif hasattr(m, "reset_parameters") and not isinstance(m, (nn.Linear, nn.Embedding)):
+                m.reset_parameters()  # norms, Gated DeltaNet's decay parameters and convolution
         self.init_buffers(buffer_device)
 
     @torch.no_grad()

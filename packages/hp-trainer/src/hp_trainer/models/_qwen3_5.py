@@ -1,0 +1,203 @@
+"""Qwen3.5 dense (text): a hybrid of Gated DeltaNet linear-attention blocks and gated
+full-attention blocks (every fourth), in plain single-device PyTorch.
+
+The Gated DeltaNet recurrence per head, with state ``S`` (key dim x value dim), decay
+``a_t = exp(g_t)`` and write strength ``beta_t``::
+
+    S_t = a_t * S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T,     o_t = S_t^T q_t
+
+is computed chunk by chunk (``chunk`` tokens at a time): inside a chunk the delta-rule updates are
+collapsed with a unit-lower-triangular solve (the WY/UT form), so the work is matmuls plus one
+short loop over chunks instead of a loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "GatedAttention",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
+    "ZeroCenteredRMSNorm",
+    "chunk_gated_delta_rule",
+]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose scale is ``1 + weight`` (weight starts at zero), computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of ``x`` times ``silu(gate)`` (the Gated DeltaNet output norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64):
+    """The gated delta rule over a whole sequence, chunked.
+
+    ``q``, ``k``: ``[b, s, h, dk]`` (already L2-normalised); ``v``: ``[b, s, h, dv]``; ``g``
+    (log decay, <= 0) and ``beta``: ``[b, s, h]``. Returns ``[b, s, h, dv]`` in ``v``'s dtype.
+    Computed in float32.
+    """
+    out_dtype = v.dtype
+    b, s, h, dk = k.shape
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [b, h, s, d]
+    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # [b, h, s]
+    q = q * dk**-0.5
+    pad = -s % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (s + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    gc = g.cumsum(-1)  # log decay from the chunk start to each position (inclusive)
+    # decay from position j to i (i >= j) inside a chunk; zero above the diagonal
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(future, float("-inf")).exp()
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # (I + A) u = beta v and (I + A) w = beta k exp(gc), A strictly lower: the chunk's updates
+    # resolved against each other
+    a = (kb @ k.transpose(-1, -2)) * decay
+    system = a.masked_fill(~torch.ones_like(future).tril(-1), 0.0)
+    system = system + torch.eye(chunk, device=q.device)
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, kb * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    attn = (q @ k.transpose(-1, -2)) * decay  # within-chunk scores, causal incl. the diagonal
+    q_dec = q * gc.exp()[..., None]
+    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    out = torch.empty_like(u)
+    for i in range(n):
+        corrected = u[:, :, i] - w[:, :, i] @ state  # new values minus what the state predicts
+        out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ corrected
+        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ corrected
+    out = out.reshape(b, h, n * chunk, -1)[:, :, :s]
+    return out.transpose(1, 2).to(out_dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule: fused q/k/v projection through a short causal
+    depthwise convolution (SiLU), per-head decay ``-exp(A_log) * softplus(a + dt_bias)`` and
+    write strength ``sigmoid(b)``, grouped value heads, a gated RMSNorm and the output
+    projection. Heads are independent, so tensor parallelism can split them."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(cfg.dim, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.dim, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.dim, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(
+            conv_dim,
+            conv_dim,
+            cfg.linear_conv_kernel,
+            groups=conv_dim,
+            bias=False,
+            padding=cfg.linear_conv_kernel - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.nv).uniform_(1, 16)))
+        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
+        self.out_proj = nn.Linear(value_dim, cfg.dim, bias=False)
+        self.chunk = 64
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Decay parameters as in the reference initialisation; the convolution's default."""
+        nn.init.ones_(self.dt_bias)
+        self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
+        self.conv1d.reset_parameters()
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+        bsz, s, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(1, 2)
+        mixed = F.silu(self.conv1d(mixed)[..., :s]).transpose(1, 2)
+        key_dim = self.nk * self.dk
+        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        q = q.reshape(bsz, s, -1, self.dk)
+        k = k.reshape(bsz, s, -1, self.dk)
+        v = v.reshape(bsz, s, -1, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        rep = v.shape[2] // q.shape[2]  # value heads per key head
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        # L2 normalisation as the reference kernels define it: eps inside the square root
+        q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        o = chunk_gated_delta_rule(q, k, v, g, beta, chunk=self.chunk)
+        z = self.in_proj_z(x).reshape(bsz, s, -1, self.dv)
+        o = self.norm(o, z).reshape(bsz, s, -1)
+        return self.out_proj(o)
+
+
+def _partial_rope(x, cos, sin):
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    return torch.cat([x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full causal attention with an output gate: ``wq`` produces each head's query and gate,
+    the attention output is multiplied by ``sigmoid(gate)``; zero-centred q/k norms; RoPE on
+    the first ``rotary_dim`` dims of each head."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        hd = self.head_dim = cfg.hd
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd * 2, bias=cfg.attention_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.attention_bias)
+        self.q_norm = ZeroCenteredRMSNorm(hd, cfg.norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(hd, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, gate = self.wq(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(b, s, -1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim))
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        cos, sin = cos[:, :s].to(q.dtype), sin[:, :s].to(q.dtype)
+        q, k = _partial_rope(q, cos, sin), _partial_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        o = o.transpose(1, 2).reshape(b, s, -1) * torch.sigmoid(gate)
+        return self.wo(o)
