@@ -13,7 +13,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["ByteTokenizer", "TokenData", "load_corpus", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "TokenData", "load_corpus", "load_tokenizer"]
 
 
 class ByteTokenizer:
@@ -36,9 +36,22 @@ def load_tokenizer(spec: str):
         raise ConfigError(f"data.tokenizer={spec!r}: use 'byte' or a local tokenizer folder")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec)
-    tok.vocab_size = len(tok)
-    return tok
+    return HFTokenizer(AutoTokenizer.from_pretrained(spec))
+
+
+class HFTokenizer:
+    """A HuggingFace tokenizer behind the two methods the trainer uses; ``vocab_size`` counts
+    added tokens too."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
 
 
 def load_corpus(path: str = "") -> str:

@@ -82,3 +82,36 @@ def test_accumulation_equals_one_big_batch(tmp_path):
         _cfg(tmp_path, "e", 3, ["--checkpoint.enable", "false", "--training.local_batch_size", "1"])
     ).train()
     torch.testing.assert_close(acc, one, rtol=1e-5, atol=0)
+
+
+def test_local_hf_tokenizer_and_jsonl_data(tmp_path):
+    """A tokenizer folder written by transformers (a small BPE trained here) and a JSONL file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hp_trainer._data import load_corpus, load_tokenizer
+
+    text = load_corpus("")[:100_000]
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]").save_pretrained(
+        tmp_path / "tok"
+    )
+    lines = [json.dumps({"text": t}) for t in text.split("\n")[:2000]]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert (
+        tok.vocab_size == 200
+        and tok.decode(tok.encode("In the beginning God")) == "In the beginning God"
+    )
+    cfg = _cfg(
+        tmp_path,
+        "f",
+        3,
+        ["--data.tokenizer", str(tmp_path / "tok"), "--data.path", str(tmp_path / "data.jsonl")],
+    )
+    trainer = LLMTrainer(cfg)
+    assert int(trainer.data.tokens.max()) < 200
+    assert len(trainer.train()) == 3
