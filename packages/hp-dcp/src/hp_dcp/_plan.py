@@ -131,7 +131,7 @@ def plan_reads(key: str, entry: TensorEntry, offsets, sizes) -> list[ReadItem]:
     for c in entry.chunks:
         if (c.offsets, c.sizes) in seen:
             continue  # the same box stored twice (e.g. merged checkpoints): read it once
-        hit = intersect(c.offsets, c.sizes, offsets, sizes) if c.sizes else ((), ())
+        hit = intersect(c.offsets, c.sizes, offsets, sizes)  # a scalar's empty boxes meet
         if hit is None:
             continue
         seen.add((c.offsets, c.sizes))

@@ -78,7 +78,8 @@ class StageSet(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         for mod in self.stages.values():
-            mine = {k: v for k, v in state_dict.items() if k in mod.state_dict()}
+            own = mod.state_dict().keys()
+            mine = {k: v for k, v in state_dict.items() if k in own}
             mod.load_state_dict(mine, strict=False, assign=assign)
 
 

@@ -24,48 +24,55 @@ from ._transformer import Transformer
 
 __all__ = ["from_pretrained", "hf_name", "our_name", "save_pretrained"]
 
-_TO_HF = [
-    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (
-        r"layers\.(\d+)\.attention\.w([qkvo])\.(weight|bias)",
-        r"model.layers.\1.self_attn.\2_proj.\3",
-    ),
-    (r"layers\.(\d+)\.attention\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w1\.(weight|bias)", r"model.layers.\1.mlp.gate_proj.\2"),
-    (r"layers\.(\d+)\.feed_forward\.w3\.(weight|bias)", r"model.layers.\1.mlp.up_proj.\2"),
-    (r"layers\.(\d+)\.feed_forward\.w2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
-    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.linear_attention\.(.+)", r"model.layers.\1.linear_attn.\2"),
+# (our name, HuggingFace name): one table read both ways. {i} is a block index, {x} one of the
+# letters or words in braces after it, {p} "weight" or "bias", {rest} any tail.
+_NAMES = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("layers.{i}.attention.w{x:qkvo}.{p}", "model.layers.{i}.self_attn.{x}_proj.{p}"),
+    ("layers.{i}.attention.{x:qk}_norm.weight", "model.layers.{i}.self_attn.{x}_norm.weight"),
+    ("layers.{i}.feed_forward.w1.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
+    ("layers.{i}.feed_forward.w3.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+    ("layers.{i}.feed_forward.w2.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.linear_attention.{rest}", "model.layers.{i}.linear_attn.{rest}"),
 ]
-_FROM_HF = [
-    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-    (
-        r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)",
-        r"layers.\1.attention.w\2.\3",
-    ),
-    (
-        r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight",
-        r"layers.\1.attention.\2_norm.weight",
-    ),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.(weight|bias)", r"layers.\1.feed_forward.w1.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.(weight|bias)", r"layers.\1.feed_forward.w3.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.(weight|bias)", r"layers.\1.feed_forward.w2.\2"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.linear_attn\.(.+)", r"layers.\1.linear_attention.\2"),
-]
+_FIELDS = {"i": r"\d+", "p": "weight|bias", "rest": ".+"}
+
+
+_FIELD = re.compile(r"\{(\w+)(?::(\w+))?\}")
+
+
+def _pattern(template: str, pair: tuple[str, str]) -> re.Pattern:
+    """``template`` as a regex; a field's choices may be written in either template of the pair."""
+    fields = dict(_FIELDS)
+    for m in _FIELD.finditer(" ".join(pair)):
+        if m.group(2):
+            fields[m.group(1)] = f"[{m.group(2)}]"
+    out, pos = [], 0
+    for m in _FIELD.finditer(template):
+        out.append(re.escape(template[pos : m.start()]))
+        out.append(f"(?P<{m.group(1)}>{fields[m.group(1)]})")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+def _fill(template: str, fields: dict) -> str:
+    return _FIELD.sub(lambda m: fields[m.group(1)], template)
+
+
+_TO_HF = [(_pattern(ours, (ours, hf)), hf) for ours, hf in _NAMES]
+_FROM_HF = [(_pattern(hf, (ours, hf)), ours) for ours, hf in _NAMES]
 
 
 def _apply(rules, name: str, what: str) -> str:
-    for pat, rep in rules:
-        m = re.fullmatch(pat, name)
+    for pat, target in rules:
+        m = pat.fullmatch(name)
         if m:
-            return m.expand(rep)
+            return _fill(target, m.groupdict())
     raise ConfigError(f"{what} {name!r} has no HuggingFace counterpart")
 
 
