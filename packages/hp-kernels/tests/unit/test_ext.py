@@ -1,0 +1,53 @@
+"""The compiled module: conversions and reductions against torch, the lazy-import error."""
+
+import pytest
+import torch
+
+import hp_kernels
+from hp_kernels import _dtypes, _ext
+
+
+def test_built_here():
+    assert hp_kernels.is_built()
+
+
+@pytest.mark.parametrize(
+    "src",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32],
+    ids=str,
+)
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_convert_matches_torch(src, dst):
+    c = _ext.load()
+    x = (torch.randn(1000) * 300).to(src)
+    if src.is_floating_point:
+        x[:3] = torch.tensor([float("inf"), float("-inf"), 0.0]).to(src)
+    out = torch.empty(1000, dtype=dst)
+    c.convert(out.data_ptr(), _dtypes.CODES[dst], x.data_ptr(), _dtypes.CODES[src], 1000, 2)
+    assert torch.equal(out, x.to(dst))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_matches_torch(op):
+    c = _ext.load()
+    srcs = [torch.randn(70_001).to(torch.bfloat16) for _ in range(3)]
+    out = torch.empty(70_001, dtype=torch.float32)
+    c.reduce(
+        out.data_ptr(), 0, [s.data_ptr() for s in srcs], 1, 70_001, _dtypes.REDUCE_OPS[op], 1 / 3, 3
+    )
+    stack = torch.stack([s.float() for s in srcs])
+    ref = {"sum": stack.sum(0), "avg": stack.sum(0) / 3, "max": stack.max(0).values}[op]
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_missing_module_says_how_to_build(monkeypatch):
+    monkeypatch.setattr(_ext, "_module", None)
+    monkeypatch.setattr(_ext, "_error", ImportError("No module named 'hp_kernels._C'"))
+    with pytest.raises(_ext.KernelsNotBuiltError, match="pip install -e packages/hp-kernels"):
+        _ext.load()
+    assert not _ext.is_built()
+
+
+def test_unsupported_dtype_names_argument():
+    with pytest.raises(TypeError, match="the tensor has dtype torch.complex64"):
+        _dtypes.code(torch.complex64, "the tensor")
