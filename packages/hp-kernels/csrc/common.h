@@ -51,6 +51,8 @@ int64_t expert_order(const int64_t* ids, size_t n, int64_t num_experts, int64_t*
 // enqueued on `stream`; returns a CUDA error string, empty on success.
 std::string cuda_reduce(uintptr_t dst, int dst_dtype, const std::vector<uintptr_t>& srcs,
                         int src_dtype, size_t n, int op, double scale, uintptr_t stream);
+// Copy with SM loads/stores of 16 bytes (a peer's memory over NVLink), on `blocks` CTAs at most.
+std::string cuda_copy(uintptr_t dst, uintptr_t src, size_t nbytes, int blocks, uintptr_t stream);
 int cuda_device_count();
 #endif
 

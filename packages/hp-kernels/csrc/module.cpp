@@ -139,6 +139,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_reduce", &cuda_reduce, py::arg("dst"), py::arg("dst_dtype"), py::arg("srcs"),
         py::arg("src_dtype"), py::arg("n"), py::arg("op"), py::arg("scale"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cuda_copy", &cuda_copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+        py::arg("blocks"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   m.def("cuda_device_count", &cuda_device_count);
 #endif
 }

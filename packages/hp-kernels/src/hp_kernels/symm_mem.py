@@ -328,10 +328,13 @@ def empty(
     group: dist.ProcessGroup | None = None,
     timeout: float | None = None,
     desc_words: int | None = None,
+    device: torch.device | str | None = None,
 ) -> SymmetricMemory:
     """Allocate a buffer of ``shape`` and ``dtype`` on every rank of ``group`` (collective).
 
     Every rank must call it with the same shape and dtype; all ranks must be on one host.
+    With a CUDA ``device`` the buffer is GPU memory from PyTorch's symmetric memory (peers
+    reached over NVLink) and the handle has the same methods.
 
     Args:
         shape: each rank's buffer shape.
@@ -340,6 +343,7 @@ def empty(
         timeout: seconds to wait on a peer in :meth:`SymmetricMemory.wait` and ``barrier``
             (default :func:`default_timeout`).
         desc_words: int64 words of descriptor space per rank (used by :mod:`hp_kernels.comm`).
+        device: ``None``/``"cpu"`` for shared host memory, or a CUDA device.
 
     Raises:
         ValueError: the ranks disagree on shape or dtype, or the group spans hosts.
@@ -349,6 +353,10 @@ def empty(
     group = group if group is not None else dist.group.WORLD
     if not dist.is_initialized():
         raise RuntimeError("hp_kernels.symm_mem.empty needs torch.distributed to be initialized")
+    if device is not None and torch.device(device).type == "cuda":
+        from ._cuda import CudaSymmetricMemory
+
+        return CudaSymmetricMemory(shape, dtype, group, torch.device(device))  # type: ignore[return-value]
     shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"shape={shape} has a negative size")
