@@ -61,7 +61,8 @@ _OP_NAMES = {v: k for k, v in _OPS.items()}
     _D_SYM,
     _D_SYMOFF,
     _D_EXTRA,
-) = range(13)
+    _D_ERR,
+) = range(14)
 _HEAD = 16
 
 
@@ -153,6 +154,7 @@ class _Call:
         sym: tuple[SymmetricMemory, int] | None = None,
         splits_in: list[int] | None = None,
         splits_out: list[int] | None = None,
+        error: BaseException | None = None,
     ) -> None:
         self.c = load()
         self.ws = _workspace(group)
@@ -161,7 +163,7 @@ class _Call:
         self.ws.seq += 1
         desc = [0] * (_HEAD + 2 * self.world)
         desc[_D_OP] = _OPS[name]
-        desc[_D_DTYPE] = _dtypes.CODES[dtype]
+        desc[_D_DTYPE] = _dtypes.CODES.get(dtype, -1)
         desc[_D_NIN], desc[_D_NOUT] = n_in, n_out
         desc[_D_WIRE] = -1 if wire is None else _dtypes.CODES[wire]
         desc[_D_ROP], desc[_D_NEED], desc[_D_SEQ] = rop, need, self.ws.seq
@@ -173,6 +175,10 @@ class _Call:
             desc[_HEAD : _HEAD + self.world] = splits_in
         if splits_out is not None:
             desc[_HEAD + self.world :] = splits_out
+        self.error = error
+        if error is not None:  # published, so that every rank raises instead of waiting
+            desc[_D_ERR], desc[_D_NEED] = 1, 0
+            need = 0
         self.desc = desc
         self.need = need
 
@@ -188,14 +194,30 @@ class _Call:
         assert mem is not None
         fits = self.need <= mem.nbytes
         self._publish(mem)
-        pending = write(mem) if fits else None
-        if between is not None:
+        ok = self.error is None
+        pending = write(mem) if fits and ok else None
+        if between is not None and ok:
             between()
         if pending is not None:
             pending.wait()
         mem.barrier()
         descs = self._read_all(mem)
-        self._check_same_call(descs)
+        self._check_same_call(descs, check_types=False)  # out of step: nothing to recover
+        try:
+            bad = [r for r, d in enumerate(descs) if d[_D_ERR]]
+            if bad:  # no data moved; every rank leaves the call together
+                if self.error is not None:
+                    raise self.error
+                raise ValueError(
+                    f"{self.name}: rank(s) {bad} passed invalid arguments (their own error says "
+                    f"which); rank {self.rank} gives up the call too, and no data moved"
+                )
+            self._check_same_call(descs)
+        except (TypeError, ValueError):
+            # every rank raises here; meet once more so that no rank's next descriptor
+            # overwrites this one while a slower rank still reads it
+            mem.barrier()
+            raise
         biggest = max(d[_D_NEED] for d in descs)
         if biggest > mem.nbytes:  # someone did not fit: everyone grows, then writes again
             mem = ws.grow(biggest)
@@ -220,7 +242,7 @@ class _Call:
             self.c.copy(out[r].data_ptr(), mem.desc_addr(r), 8 * len(self.desc))
         return out.tolist()
 
-    def _check_same_call(self, descs: list[list[int]]) -> None:
+    def _check_same_call(self, descs: list[list[int]], check_types: bool = True) -> None:
         mine = descs[self.rank]
         for r, d in enumerate(descs):
             if d[_D_SEQ] != mine[_D_SEQ] or d[_D_OP] != mine[_D_OP]:
@@ -230,6 +252,8 @@ class _Call:
                     f"#{mine[_D_SEQ]} ({self.name}) on the same group: every rank must issue the "
                     "same collectives in the same order"
                 )
+        if not check_types:
+            return
         first = descs[0]
         for r, d in enumerate(descs):
             if (d[_D_DTYPE], d[_D_WIRE], d[_D_ROP]) != (
@@ -285,6 +309,12 @@ def _is_cuda(*tensors: torch.Tensor) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
 
+def _tensors(name: str, **tensors: object) -> None:
+    for what, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def _same_dtype(name: str, a: torch.Tensor, b: torch.Tensor, an: str, bn: str) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"{name}: {an} has dtype {a.dtype} but {bn} has {b.dtype}; they must match")
@@ -304,12 +334,22 @@ def all_gather_into_tensor(
         from . import _cuda
 
         return _cuda.all_gather_into_tensor(output, input, group=group)
-    _require_contiguous(input, "input")
-    _require_contiguous(output, "output")
-    _same_dtype("all_gather_into_tensor", output, input, "output", "input")
+    _tensors("all_gather_into_tensor", output=output, input=input)
     es = input.element_size()
     n = input.numel()
     ws = _workspace(group)  # with single-copy reads the slot holds no data
+    error = None
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(input, "input")
+        _require_contiguous(output, "output")
+        _same_dtype("all_gather_into_tensor", output, input, "output", "input")
+        if output.numel() != ws.world * n:
+            raise ValueError(
+                f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
+                f"world_size ({ws.world}) x input ({n}) = {ws.world * n}"
+            )
+    except (TypeError, ValueError) as exc:
+        error = exc
     sym = find(input, ws.group)
     direct = ws.cma or sym is not None
     call = _Call(
@@ -321,12 +361,8 @@ def all_gather_into_tensor(
         need=0 if direct else n * es,
         addr=input.data_ptr(),
         sym=sym,
+        error=error,
     )
-    if output.numel() != call.world * n:
-        raise ValueError(
-            f"all_gather_into_tensor: output has {output.numel()} elements; it needs world_size "
-            f"({call.world}) x input ({n}) = {call.world * n}"
-        )
     c = call.c
     descs = call.start(
         lambda mem: (
@@ -394,23 +430,29 @@ def all_to_all_single(
         return _cuda.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group
         )
-    _require_contiguous(input, "input")
-    _require_contiguous(output, "output")
-    _same_dtype("all_to_all_single", output, input, "output", "input")
-    world = dist.get_world_size(group if group is not None else dist.group.WORLD)
-    if input.dim() == 0 or output.dim() == 0:
-        raise ValueError("all_to_all_single: input and output need at least one dimension")
-    row = math.prod(input.shape[1:])
-    if math.prod(output.shape[1:]) != row:
-        raise ValueError(
-            f"all_to_all_single: input rows hold {row} elements but output rows hold "
-            f"{math.prod(output.shape[1:])}; shapes after dim 0 must match"
-        )
-    s_in = _splits(input_split_sizes, input.shape[0], world, "input_split_sizes")
-    s_out = _splits(output_split_sizes, output.shape[0], world, "output_split_sizes")
+    _tensors("all_to_all_single", output=output, input=input)
+    ws = _workspace(group)
+    world = ws.world
+    error = None
+    row, s_in, s_out = 0, [0] * world, [0] * world
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(input, "input")
+        _require_contiguous(output, "output")
+        _same_dtype("all_to_all_single", output, input, "output", "input")
+        if input.dim() == 0 or output.dim() == 0:
+            raise ValueError("all_to_all_single: input and output need at least one dimension")
+        row = math.prod(input.shape[1:])
+        if math.prod(output.shape[1:]) != row:
+            raise ValueError(
+                f"all_to_all_single: input rows hold {row} elements but output rows hold "
+                f"{math.prod(output.shape[1:])}; shapes after dim 0 must match"
+            )
+        s_in = _splits(input_split_sizes, input.shape[0], world, "input_split_sizes")
+        s_out = _splits(output_split_sizes, output.shape[0], world, "output_split_sizes")
+    except (TypeError, ValueError) as exc:
+        error = exc
     es = input.element_size()
     nbytes = input.numel() * es
-    ws = _workspace(group)
     sym = find(input, ws.group)
     direct = ws.cma or sym is not None
     call = _Call(
@@ -425,6 +467,7 @@ def all_to_all_single(
         splits_out=s_out,
         addr=input.data_ptr(),
         sym=sym,
+        error=error,
     )
     c = call.c
     descs = call.start(
@@ -513,13 +556,23 @@ def reduce_scatter_tensor(
         from . import _cuda
 
         return _cuda.reduce_scatter_tensor(output, input, op, group=group, wire_dtype=wire_dtype)
-    _require_contiguous(input, "input")
-    _require_contiguous(output, "output")
-    _same_dtype("reduce_scatter_tensor", output, input, "output", "input")
-    rop, wire = _reduce_args("reduce_scatter_tensor", op, input.dtype, wire_dtype)
-    n_out = output.numel()
-    wes = torch.empty((), dtype=wire).element_size()
+    _tensors("reduce_scatter_tensor", output=output, input=input)
     ws = _workspace(group)
+    n_out = output.numel()
+    error, rop, wire = None, 0, input.dtype
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(input, "input")
+        _require_contiguous(output, "output")
+        _same_dtype("reduce_scatter_tensor", output, input, "output", "input")
+        rop, wire = _reduce_args("reduce_scatter_tensor", op, input.dtype, wire_dtype)
+        if input.numel() != ws.world * n_out:
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {input.numel()} elements; it needs "
+                f"world_size ({ws.world}) x output ({n_out}) = {ws.world * n_out}"
+            )
+    except (TypeError, ValueError) as exc:
+        error = exc
+    wes = torch.empty((), dtype=wire).element_size()
     sym = find(input, ws.group) if wire == input.dtype else None  # reduced in place
     call = _Call(
         "reduce_scatter",
@@ -528,15 +581,11 @@ def reduce_scatter_tensor(
         n_in=input.numel(),
         n_out=n_out,
         need=0 if sym else input.numel() * wes,
-        wire=wire_dtype,
+        wire=wire_dtype if error is None else None,
         rop=rop,
         sym=sym,
+        error=error,
     )
-    if input.numel() != call.world * n_out:
-        raise ValueError(
-            f"reduce_scatter_tensor: input has {input.numel()} elements; it needs world_size "
-            f"({call.world}) x output ({n_out}) = {call.world * n_out}"
-        )
     c = call.c
     wcode, dcode = _dtypes.CODES[wire], _dtypes.CODES[input.dtype]
 
@@ -590,8 +639,13 @@ def all_reduce(
         from . import _cuda
 
         return _cuda.all_reduce(tensor, op, group=group, wire_dtype=wire_dtype)
-    _require_contiguous(tensor, "tensor")
-    rop, wire = _reduce_args("all_reduce", op, tensor.dtype, wire_dtype)
+    _tensors("all_reduce", tensor=tensor)
+    error, rop, wire = None, 0, tensor.dtype
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(tensor, "tensor")
+        rop, wire = _reduce_args("all_reduce", op, tensor.dtype, wire_dtype)
+    except (TypeError, ValueError) as exc:
+        error = exc
     n = tensor.numel()
     wes = torch.empty((), dtype=wire).element_size()
     call = _Call(
@@ -601,8 +655,9 @@ def all_reduce(
         n_in=n,
         n_out=n,
         need=2 * n * wes,
-        wire=wire_dtype,
+        wire=wire_dtype if error is None else None,
         rop=rop,
+        error=error,
     )
     c = call.c
     wcode, dcode = _dtypes.CODES[wire], _dtypes.CODES[tensor.dtype]

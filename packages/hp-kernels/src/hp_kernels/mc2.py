@@ -61,15 +61,19 @@ def all_gather_matmul(
         return _cuda.all_gather_matmul(
             x_shard, weights, group=group, gather_dim=gather_dim, return_gathered=return_gathered
         )
-    _require_contiguous(x_shard, "x_shard")
     weights = list(weights)
-    _check_weights("all_gather_matmul", x_shard, weights)
     dim = gather_dim % x_shard.dim() if x_shard.dim() else 0
-    if x_shard.dim() < 2 or dim == x_shard.dim() - 1:
-        raise ValueError(
-            f"all_gather_matmul: gather_dim={gather_dim} must name a dim of x_shard other than "
-            f"the last (the contraction dim); x_shard has shape {tuple(x_shard.shape)}"
-        )
+    error = None
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(x_shard, "x_shard")
+        _check_weights("all_gather_matmul", x_shard, weights)
+        if x_shard.dim() < 2 or dim == x_shard.dim() - 1:
+            raise ValueError(
+                f"all_gather_matmul: gather_dim={gather_dim} must name a dim of x_shard other "
+                f"than the last (the contraction dim); x_shard has shape {tuple(x_shard.shape)}"
+            )
+    except (TypeError, ValueError) as exc:
+        error = exc
     nbytes = x_shard.numel() * x_shard.element_size()
     call = _Call(
         "mc2_ag",
@@ -78,7 +82,8 @@ def all_gather_matmul(
         n_in=x_shard.numel(),
         n_out=0,
         need=nbytes,
-        row=x_shard.shape[dim],
+        row=x_shard.shape[dim] if x_shard.dim() else 0,
+        error=error,
     )
     world, me = call.world, call.rank
     c = call.c
@@ -163,18 +168,24 @@ def matmul_reduce_scatter(
         return _cuda.matmul_reduce_scatter(
             x, weight, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op
         )
-    _require_contiguous(x, "x")
-    _check_weights("matmul_reduce_scatter", x, [weight])
-    if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"matmul_reduce_scatter: reduce_op={reduce_op!r}; choose 'sum' or 'avg'")
-    out_shape = list(x.shape[:-1]) + [weight.shape[1]]
-    dim = scatter_dim % len(out_shape)
     world = dist.get_world_size(group if group is not None else dist.group.WORLD)
-    if out_shape[dim] % world:
-        raise ValueError(
-            f"matmul_reduce_scatter: the product's dim {scatter_dim} has size {out_shape[dim]}, "
-            f"which does not divide by the group size {world}"
-        )
+    out_shape = list(x.shape[:-1]) + [weight.shape[1] if weight.dim() == 2 else 0]
+    dim = scatter_dim % len(out_shape)
+    error = None
+    try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        _require_contiguous(x, "x")
+        _check_weights("matmul_reduce_scatter", x, [weight])
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(
+                f"matmul_reduce_scatter: reduce_op={reduce_op!r}; choose 'sum' or 'avg'"
+            )
+        if out_shape[dim] % world:
+            raise ValueError(
+                f"matmul_reduce_scatter: the product's dim {scatter_dim} has size "
+                f"{out_shape[dim]}, which does not divide by the group size {world}"
+            )
+    except (TypeError, ValueError) as exc:
+        error = exc
     chunk = out_shape[dim] // world
     chunk_shape = list(out_shape)
     chunk_shape[dim] = chunk
@@ -182,7 +193,7 @@ def matmul_reduce_scatter(
     for s in chunk_shape:
         chunk_numel *= s
     es = x.element_size()
-    code = _dtypes.code(x.dtype, "x")
+    code = _dtypes.CODES.get(x.dtype, -1)
     call = _Call(
         "mc2_rs",
         group,
@@ -191,7 +202,8 @@ def matmul_reduce_scatter(
         n_out=chunk_numel,
         need=world * chunk_numel * es,
         row=out_shape[dim],
-        rop=_dtypes.REDUCE_OPS[reduce_op],
+        rop=_dtypes.REDUCE_OPS.get(reduce_op, 0),
+        error=error,
     )
     me = call.rank
     descs = call.start(lambda mem: None)

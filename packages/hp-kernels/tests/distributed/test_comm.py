@@ -244,6 +244,20 @@ def _error_body(kind):
             comm.all_reduce(x)
         elif kind == "output-size":
             comm.all_gather_into_tensor(torch.empty(5), torch.ones(4))
+        elif kind == "one-rank-output":  # only rank 1 is wrong: rank 0 must not wait forever
+            comm.all_gather_into_tensor(torch.empty(world * 4 + rank), torch.ones(4))
+        elif kind == "one-rank-noncontiguous":
+            x = torch.ones(4, 4)
+            comm.reduce_scatter_tensor(
+                torch.empty(8),
+                (x.t() if rank == 0 else x).reshape(-1)[:16].view(4, 4).t() if rank == 0 else x,
+            )
+        elif kind == "one-rank-splits":
+            comm.all_to_all_single(
+                torch.empty(world), torch.ones(world), None, [1] * (world - 1) + [1 + rank]
+            )
+        elif kind == "one-rank-op":
+            comm.all_reduce(torch.ones(3), "max" if rank == 0 else "prod")
     except (ValueError, TypeError) as exc:
         message = str(exc)
     else:
@@ -263,10 +277,20 @@ def _error_body(kind):
         ("splits", ["rank 1 sends 1 rows to rank 0", "output_split_sizes[1] is 2"]),
         ("noncontiguous", ["contiguous"]),
         ("output-size", ["output has 5 elements"]),
+        ("one-rank-output", ["output has 9 elements", "rank(s) [1] passed invalid arguments"]),
+        ("one-rank-noncontiguous", ["contiguous", "rank(s) [0] passed invalid arguments"]),
+        ("one-rank-splits", ["sums to 3", "rank(s) [1] passed invalid arguments"]),
+        ("one-rank-op", ["op='prod'", "rank(s) [1] passed invalid arguments"]),
     ],
 )
 def test_bad_input_raises_on_every_rank(pool2, kind, words):
     messages = pool2.run(_error_body, kind)
+    if kind.startswith("one-rank"):  # the bad rank names its argument, the other names the rank
+        joined = " | ".join(messages)
+        for word in words:
+            assert word in joined, (kind, messages)
+        assert all("no error" != m for m in messages)
+        return
     for message in messages:
         for word in words:
             assert word in message, (kind, message)

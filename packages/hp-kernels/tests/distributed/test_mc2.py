@@ -77,6 +77,8 @@ def _bad_body():
         lambda: mc2.all_gather_matmul(torch.randn(3, 5), [w]),
         lambda: mc2.matmul_reduce_scatter(torch.randn(3, 8), w),
         lambda: mc2.all_gather_matmul(torch.randn(3 + rank, 8), [w]),
+        # one rank alone is wrong: the other must fail too, not wait
+        lambda: mc2.matmul_reduce_scatter(torch.randn(4, 8 if rank == 0 else 9), w),
     ):
         try:
             call()
@@ -87,8 +89,13 @@ def _bad_body():
 
 
 def test_bad_input(pool2):
-    for errors in pool2.run(_bad_body):
+    results = pool2.run(_bad_body)
+    for errors in results:
         assert "other than the last" in errors[0]
         assert "first dim must equal" in errors[1]
         assert "does not divide by the group size 2" in errors[2]
         assert "ranks disagree on x_shard's size" in errors[3]
+    assert [
+        ("first dim must equal" in e, "rank(s) [1] passed invalid" in e)
+        for e in (r[4] for r in results)
+    ] == [(False, True), (True, False)]
