@@ -8,6 +8,7 @@ is installed from its folder in development mode (``pip install -e``), transitiv
     nox -s "tests(pkg='hp-dtensor')"      # one package; extra pytest args after "--"
     nox -s lint                           # ruff + import-linter layering contracts
     nox -s demo                           # torchrun --standalone --nproc_per_node=4 the demo
+    nox -s install                        # wheels of every package; pip install hyperparallel
     nox -s bench                          # every benchmarks/<package>/*.py script
 
 Virtualenvs use pip (virtualenv backend) so that pip's machine configuration (local wheels,
@@ -338,6 +339,36 @@ def demo(session: nox.Session) -> None:
     session.run(
         "hp-train", "--config", config, *session.posargs, "--training.steps", str(steps), env=env
     )
+
+
+@nox.session
+def install(session: nox.Session) -> None:
+    """A user's install, not a developer's: build a wheel of every package, then
+    ``pip install hyperparallel`` from those wheels alone (no editable paths, no sources) into a
+    fresh virtualenv and use it."""
+    wheels = Path(session.create_tmp()) / "wheels"
+    if wheels.exists():
+        import shutil
+
+        shutil.rmtree(wheels)
+    pin = _constraints(session)
+    session.install(TORCH, *pin)
+    session.install("numpy", "pip", *pin)
+    runtime = [p for name, p in sorted(PACKAGES.items()) if name != "hp-testing"]
+    session.run("pip", "wheel", "--no-deps", "-q", "-w", str(wheels), *[p.rel for p in runtime])
+    session.run("pip", "install", "-q", "--find-links", str(wheels), "hyperparallel", *pin)
+    code = (
+        "import importlib.metadata as md, hyperparallel as hp, hp_kernels; "
+        "assert hp.fully_shard is hp.fsdp.fully_shard; "
+        "assert hp_kernels.is_built(), 'hp-kernels wheel lacks its compiled module'; "
+        "import hp_trainer.models as m; "
+        "assert m.get_config('llama3-tiny').n_layers > 0; "
+        "print({d.metadata['Name']: d.version for d in md.distributions() "
+        "if d.metadata['Name'].startswith(('hp-', 'hyperparallel'))})"
+    )
+    session.run("python", "-c", code, env={"PYTHONPATH": ""})
+    session.run("hp-train", "--help", silent=True)
+    session.run("hp-dcp", "--help", silent=True)
 
 
 @nox.session

@@ -5,7 +5,13 @@ redistribution and sharding-rule dispatch, distributed random numbers and deferr
 initialisation. See the package README for an example.
 """
 
-from ._backend import Platform, available_platforms, get_platform, register_platform
+from ._backend import (
+    Platform,
+    available_platforms,
+    get_platform,
+    platform_class,
+    register_platform,
+)
 from ._dtensor import DTensor, distribute_module, distribute_tensor
 from ._groups import (
     destroy_process_group,
@@ -81,6 +87,7 @@ __all__ = [
     "mesh_from_layout",
     "new_group",
     "plan_redistribute",
+    "platform_class",
     "register_platform",
     "register_sharding_rule",
     "registered_ops",

@@ -91,6 +91,7 @@ class ParallelDims:
         n_layers: int,
         ffn_hidden: int | None = None,
         num_experts: int | None = None,
+        linear_heads: tuple[int, int] | None = None,
         global_batch_size: int | None = None,
         seq_len: int | None = None,
         stages_per_rank: int = 1,
@@ -105,6 +106,13 @@ class ParallelDims:
             problems.append(
                 f"{tp}={self.tp} does not divide the model's {n_kv_heads} key/value heads"
             )
+        if linear_heads is not None:  # Gated DeltaNet (key heads, value heads)
+            for what, n in zip(("key", "value"), linear_heads):
+                if n % self.tp:
+                    problems.append(
+                        f"{tp}={self.tp} does not divide the model's {n} linear-attention "
+                        f"{what} heads"
+                    )
         if ffn_hidden is not None and ffn_hidden % self.tp:
             problems.append(f"{tp}={self.tp} does not divide the feed-forward width {ffn_hidden}")
         if self.pp * stages_per_rank > n_layers:

@@ -12,9 +12,14 @@ import torch.nn as nn
 import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
-from .errors import ConfigError
 
-__all__ = ["ParallelizeConfig", "apply_activation_checkpoint", "dp_mesh", "parallelize_llama"]
+__all__ = [
+    "ParallelizeConfig",
+    "apply_activation_checkpoint",
+    "dp_mesh",
+    "head_local",
+    "parallelize_llama",
+]
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,6 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(hp.Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward": PrepareModuleInput(
                 input_layouts=(seq,), desired_input_layouts=(hp.Replicate(),)
             ),
@@ -88,10 +86,76 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        enter = PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(hp.Replicate(), None, None)
+        )
+        if getattr(block, "linear_attention", None) is not None:
+            # Gated DeltaNet: every projection splits by heads (rows), the output projection by
+            # its input columns; the per-head vectors and convolution channels run on this
+            # rank's slice, the shared output norm on this rank's heads (partial gradients)
+            gdn = block.linear_attention
+            plan["linear_attention"] = enter
+            for name in ("q", "k", "v", "z", "b", "a"):
+                plan[f"linear_attention.in_proj_{name}"] = ColwiseParallel()
+            plan["linear_attention.out_proj"] = RowwiseParallel(output_layouts=seq)
+            parallelize_module(block, tp_mesh, plan)
+            head_local(gdn, tp_mesh, shard={"A_log": 0, "dt_bias": 0})
+            for conv in (gdn.conv_q, gdn.conv_k, gdn.conv_v):
+                head_local(conv, tp_mesh, shard={"weight": 0})
+            head_local(gdn.norm, tp_mesh, replicate=("weight",))
+            continue
+        plan.update(
+            {
+                "attention": enter,
+                "attention.wq": ColwiseParallel(),  # Qwen3.5: each head's query and gate rows
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=seq),
+            }
+        )
         if qk_norm:  # per-head norms see only this rank's heads: their grads are all-reduced
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+
+
+def head_local(
+    module: nn.Module,
+    tp_mesh,
+    *,
+    shard: dict[str, int] | None = None,
+    replicate: tuple[str, ...] = (),
+) -> nn.Module:
+    """Tensor parallelism for a module whose work splits by heads but is not a Linear: its own
+    parameters named in ``shard`` become DTensors split along the given dim over ``tp_mesh``,
+    those in ``replicate`` whole DTensors, and its forward (given this rank's heads as plain
+    tensors) runs on their local pieces. Gradients of the replicated ones are partial on each
+    rank and are all-reduced by the DTensor backward. The model code is unchanged: it reads
+    head counts from the tensors."""
+    shard = dict(shard or {})
+    for name, placement in [
+        *((n, hp.Shard(d)) for n, d in shard.items()),
+        *((n, hp.Replicate()) for n in replicate),
+    ]:
+        p = module._parameters[name]
+        dt = hp.distribute_tensor(p.data, tp_mesh, [placement])
+        module._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+    inner = module.forward
+    names = (*shard, *replicate)
+
+    def forward(*args, **kwargs):
+        saved = {n: module._parameters[n] for n in names}
+        for n, p in saved.items():  # read now: FSDP may have swapped the parameter in
+            if isinstance(p, hp.DTensor):
+                local = p.to_local() if n in shard else p.to_local(grad_placements=[hp.Partial()])
+                module._parameters[n] = local
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+    return module
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
@@ -137,6 +201,11 @@ def parallelize_llama(
         n_kv_heads=cfg.n_kv_heads,
         n_layers=cfg.n_layers,
         ffn_hidden=cfg.ffn_hidden,
+        linear_heads=(
+            (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
+            if cfg.architecture == "qwen3_5"
+            else None
+        ),
     )
     if parallel_dims.world_size == 1 and mesh is None:  # one process: only checkpointing applies
         if config.activation_checkpoint != "none":
@@ -144,11 +213,6 @@ def parallelize_llama(
         return model
     if mesh is None:
         mesh = parallel_dims.build_mesh(next(model.parameters()).device.type)
-    if parallel_dims.tp > 1 and cfg.architecture == "qwen3_5":
-        raise ConfigError(
-            "parallelism.tensor_parallel_degree > 1 is not supported for qwen3_5 yet (Gated "
-            "DeltaNet heads are not split): use FSDP/HSDP or pipeline parallelism"
-        )
     if parallel_dims.tp > 1:
         _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree

@@ -75,11 +75,19 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         n_kv_heads=mc.n_kv_heads,
         n_layers=mc.n_layers,
         ffn_hidden=mc.ffn_hidden,
+        linear_heads=_linear_heads(mc),
         global_batch_size=t.global_batch_size,
         seq_len=t.seq_len,
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
     )
     return pd, mc
+
+
+def _linear_heads(mc) -> tuple[int, int] | None:
+    """Qwen3.5's Gated DeltaNet (key, value) head counts, which tensor parallelism splits."""
+    if mc.architecture != "qwen3_5":
+        return None
+    return mc.linear_num_key_heads, mc.linear_num_value_heads
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -136,6 +144,10 @@ class LLMTrainer:
                 )
             self.pipeline_microbatches = n_mb
         self.callbacks = list(callbacks or [])
+        if p.collectives == "hp_kernels":  # before any mesh: CPU meshes pick the platform up
+            from . import kernels_backend
+
+            kernels_backend.enable()
         # -- processes ------------------------------------------------------------------------
         cuda = torch.cuda.is_available()
         if world > 1 and not dist.is_initialized():
@@ -359,9 +371,13 @@ class LLMTrainer:
             return None
         mc, s = self.model_config, self.config.training.seq_len
         # 6 x (parameters without the input embedding: the output projection computes even when
-        # tied) + attention scores and values, as torchtitan and GPU-ANCHORS.md count
+        # tied) + attention scores and values, as torchtitan and GPU-ANCHORS.md count; only
+        # full-attention blocks have the quadratic term (Qwen3.5's linear ones are counted by
+        # their parameters)
         n = mc.num_params(embeddings=False) + mc.vocab_size * mc.dim
-        flops_per_token = 6 * n + 12 * mc.n_layers * mc.dim * s
+        types = mc.layer_types or ("full_attention",) * mc.n_layers
+        full = sum(t == "full_attention" for t in types)
+        flops_per_token = 6 * n + 12 * full * mc.n_heads * mc.hd * s
         world = dist.get_world_size() if dist.is_initialized() else 1
         return tokens_per_s * flops_per_token / (peak * world)
 

@@ -72,6 +72,7 @@ class Parallelism:
     sequence_parallel: bool = True
     pipeline_schedule: str = "1f1b"  # "gpipe", "1f1b", "interleaved_1f1b" or "zbv"
     pipeline_microbatches: int = 0  # per step and data-parallel rank; 0: the pipeline degree
+    collectives: str = "torch"  # "hp_kernels": CPU collectives through shared memory
 
 
 @dataclass
@@ -240,6 +241,10 @@ def _check(cfg: JobConfig) -> None:
             f"parallelism.pipeline_schedule={cfg.parallelism.pipeline_schedule!r}"
             f"{_suggest(cfg.parallelism.pipeline_schedule, schedules)}: use one of "
             f"{list(schedules)}"
+        )
+    if cfg.parallelism.collectives not in ("torch", "hp_kernels"):
+        problems.append(
+            f"parallelism.collectives={cfg.parallelism.collectives!r}: use 'torch' or 'hp_kernels'"
         )
     if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
         problems.append(

@@ -76,3 +76,15 @@ def test_pipeline_checks(tmp_path):
         preflight(load_config(p), 2)
     with pytest.raises(ConfigError, match="pipeline_schedule='1fb1' \\(did you mean '1f1b'"):
         load_config(None, ["--parallelism.pipeline_schedule", "1fb1"])
+
+
+def test_collectives_and_linear_heads_checks(tmp_path):
+    with pytest.raises(ConfigError, match="parallelism.collectives='nccl': use 'torch' or"):
+        load_config(None, ["--parallelism.collectives", "nccl"])
+    assert load_config(None, ["--parallelism.collectives", "hp_kernels"]).parallelism.collectives
+    # qwen3.5-tiny has 2 linear-attention key heads: TP 4 cannot split them
+    cfg = load_config(
+        None, ["--model.name", "qwen3.5-tiny", "--parallelism.tensor_parallel_degree", "4"]
+    )
+    with pytest.raises(ConfigError, match="does not divide the model's 2 linear-attention key"):
+        preflight(cfg, 4)

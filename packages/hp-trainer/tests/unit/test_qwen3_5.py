@@ -118,3 +118,26 @@ def test_tiny_config_trains():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_published_config_matches_transformers_structure():
+    """qwen3.5-0.8b written as a HuggingFace config builds, in transformers, a model with the
+    same parameter shapes as ours (the fused q/k/v and convolution counted as their parts)."""
+    import transformers
+
+    from hp_trainer.models._hf import _joined, hf_name
+
+    cfg = get_config("qwen3.5-0.8b")
+    hf_cfg = transformers.Qwen3_5TextConfig(
+        **{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
+    )
+    with torch.device("meta"):
+        theirs = transformers.Qwen3_5ForCausalLM(hf_cfg)
+        ours = Transformer(cfg)
+    shapes = {n: tuple(p.shape) for n, p in theirs.state_dict().items()}
+    sd = _joined({k: v for k, v in ours.state_dict().items() if k != "output.weight"})
+    mine = {hf_name(n): tuple(p.shape) for n, p in sd.items()}
+    shapes.pop("lm_head.weight")  # tied
+    assert mine == shapes
+    assert cfg.num_params() == sum(p.numel() for p in ours.parameters())  # used for MFU
+    assert 0.70e9 < cfg.num_params() < 0.80e9  # the text model of "0.8B" (vision tower apart)

@@ -3,12 +3,13 @@
 The most used names sit at the top level (``hp.fully_shard``, ``hp.DTensor``,
 ``hp.init_device_mesh``, ``hp.parallelize_module``, ``hp.PipelineStage``, ...); each package is
 also reachable whole: ``hp.dtensor``, ``hp.fsdp``, ``hp.optim``, ``hp.pipeline``, ``hp.offload``,
-``hp.dcp``, ``hp.trainer``.
+``hp.dcp``, ``hp.trainer``, ``hp.kernels`` (its compiled module loads on first use).
 """
 
 import hp_dcp as dcp
 import hp_dtensor as dtensor
 import hp_fsdp as fsdp
+import hp_kernels as kernels
 import hp_offload as offload
 import hp_optim as optim
 import hp_pipeline as pipeline
@@ -78,6 +79,7 @@ __all__ = [
     "dtensor",
     "fsdp",
     "fully_shard",
+    "kernels",
     "init_device_mesh",
     "loss_parallel",
     "offload",

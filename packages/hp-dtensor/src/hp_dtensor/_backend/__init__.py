@@ -18,7 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import BackendError
 
-__all__ = ["Platform", "get_platform", "register_platform", "available_platforms"]
+__all__ = [
+    "Platform",
+    "available_platforms",
+    "get_platform",
+    "platform_class",
+    "register_platform",
+]
 
 
 @runtime_checkable
@@ -101,6 +107,18 @@ def register_platform(name: str, target: str, *, device_types: tuple[str, ...] =
 def available_platforms() -> tuple[str, ...]:
     """Names that ``HP_BACKEND`` may take."""
     return tuple(_REGISTRY)
+
+
+def platform_class(name: str) -> Any:
+    """The class (or factory) registered as ``name``, imported now: for a plugin that extends a
+    built-in backend (e.g. ``platform_class("torch")``) rather than replacing it."""
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise BackendError(
+            f"{name!r} is not a registered backend: use one of {available_platforms()}"
+        )
+    mod_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(mod_name), attr)
 
 
 def get_platform(device_type: str | None = None) -> Platform:

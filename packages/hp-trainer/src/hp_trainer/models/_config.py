@@ -99,8 +99,21 @@ class TransformerConfig:
         if self.qk_norm:
             attn += 2 * hd
         mlp = 3 * d * self.ffn_hidden + (2 * self.ffn_hidden + d if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        if self.architecture == "qwen3_5":
+            gated = attn + d * hd * self.n_heads  # the query projection also yields the gate
+            nk, nv = self.linear_num_key_heads, self.linear_num_value_heads
+            key, value = nk * self.linear_key_head_dim, nv * self.linear_value_head_dim
+            linear = (
+                d * (2 * key + 2 * value + 2 * nv)  # q, k, v, z, b, a projections
+                + (2 * key + value) * self.linear_conv_kernel  # depthwise convolutions
+                + 2 * nv  # A_log, dt_bias
+                + self.linear_value_head_dim  # gated norm
+                + value * d  # output projection
+            )
+            layers = sum(gated if t == "full_attention" else linear for t in self.layer_types)
+            return layers + self.n_layers * (mlp + 2 * d) + d + (emb if embeddings else 0)
+        layer = attn + mlp + 2 * d
         return self.n_layers * layer + d + (emb if embeddings else 0)
 
     # -- HuggingFace config.json ------------------------------------------------------------------
@@ -291,6 +304,33 @@ def _qwen3(dim, layers, heads, ffn, tie):
     )
 
 
+def _qwen3_5(dim, layers, heads, kv_heads, ffn, linear_heads, tie):
+    """Qwen3.5 dense text model: Gated DeltaNet blocks with gated full attention every fourth,
+    head_dim 256, a quarter of each head rotated, vocabulary 248320."""
+    return TransformerConfig(
+        "qwen3_5",
+        248320,
+        dim,
+        layers,
+        heads,
+        kv_heads,
+        256,
+        ffn,
+        1e-6,
+        10000000.0,
+        None,
+        8192,
+        qk_norm=True,
+        tie_word_embeddings=tie,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * (layers // 4),
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+
+
 #: Published configurations (HuggingFace ``config.json`` values) and tiny ones for tests/demos.
 CONFIGS: dict[str, TransformerConfig] = {
     "llama3-8b": _llama(4096, 32, 32, 8, 14336),
@@ -318,6 +358,9 @@ CONFIGS: dict[str, TransformerConfig] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 12288, False),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408, False),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600, False),
+    # Qwen3.5-0.8B(-Base) text model: 24 blocks of width 1024 (8 query / 2 key-value heads of
+    # 256, feed-forward 3584, tied embeddings), Gated DeltaNet with 16 heads of 128
+    "qwen3.5-0.8b": _qwen3_5(1024, 24, 8, 2, 3584, (16, 16), True),
     "qwen3-tiny": TransformerConfig(
         "qwen3",
         256,

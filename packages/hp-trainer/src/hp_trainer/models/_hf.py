@@ -94,6 +94,41 @@ def _weights(model: Transformer) -> dict:
     return sd
 
 
+# HuggingFace keeps a Gated DeltaNet's q/k/v projections (and their convolutions) in one tensor
+# each, stacked along dim 0; we keep them apart so that tensor parallelism splits heads with
+# plain row shards.
+_FUSED = {
+    "in_proj_qkv.weight": ("in_proj_q.weight", "in_proj_k.weight", "in_proj_v.weight"),
+    "conv1d.weight": ("conv_q.weight", "conv_k.weight", "conv_v.weight"),
+}
+_LINEAR_ATTN = re.compile(r"(layers\.\d+\.linear_attention\.)(.+)")
+
+
+def _fused_groups(names) -> dict[str, list[str]]:
+    """``{our fused name: [our part names]}`` for the Gated DeltaNet tensors among ``names``."""
+    part_of = {part: fused for fused, parts in _FUSED.items() for part in parts}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = _LINEAR_ATTN.fullmatch(name)
+        if m and m.group(2) in part_of:
+            fused = m.group(1) + part_of[m.group(2)]
+            groups.setdefault(fused, [m.group(1) + p for p in _FUSED[part_of[m.group(2)]]])
+    return groups
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _joined(sd: dict) -> dict:
+    """``sd`` with each fused group's parts replaced by their concatenation (collective for
+    DTensor parts: every rank gets the whole tensor)."""
+    out = dict(sd)
+    for fused, parts in _fused_groups(sd).items():
+        out[fused] = torch.cat([_full(out.pop(p)) for p in parts], dim=0)
+    return out
+
+
 def from_pretrained(
     path,
     *,
@@ -115,8 +150,22 @@ def from_pretrained(
     model.to_empty(device=device)
     model.tie_weights()
     model.init_buffers(device)
-    target = {hf_name(k): v for k, v in _weights(model).items()}
+    sd = _weights(model)
+    groups = _fused_groups(sd)
+    parts = {p for names in groups.values() for p in names}
+    target = {hf_name(k): v for k, v in sd.items() if k not in parts}
+    staging = {}  # fused HuggingFace tensors land here, then are split into our parts
+    for fused, names in groups.items():
+        first = sd[names[0]]
+        rows = sum(sd[n].shape[0] for n in names)
+        staging[fused] = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=device)
+        target[hf_name(fused)] = staging[fused]
     hp_dcp.load(target, checkpoint_id=path)
+    with torch.no_grad():
+        for fused, names in groups.items():
+            pieces = staging[fused].split([sd[n].shape[0] for n in names], dim=0)
+            for n, piece in zip(names, pieces):
+                sd[n].copy_(piece)
     if dtype is not None:
         model.to(dtype)
         model.init_buffers(device)  # rotary tables stay float32, as in transformers
@@ -130,6 +179,7 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int = 5 * 2**3
     path = Path(path)
     sd = _weights(model)
     sharded = any(isinstance(v, DTensor) for v in sd.values())
+    sd = _joined(sd)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if sharded:
         tmp = path / ".hp_dcp_checkpoint"

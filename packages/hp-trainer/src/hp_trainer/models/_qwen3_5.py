@@ -21,9 +21,15 @@ __all__ = [
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "ShortConv",
     "ZeroCenteredRMSNorm",
     "chunk_gated_delta_rule",
 ]
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """At least float32: lower precisions are raised, float64 stays (for float64 oracles)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -35,8 +41,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        y = F.rms_norm(_f32(x), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + _f32(self.weight))).type_as(x)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
@@ -51,8 +57,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-        return (y * F.silu(gate.float())).to(x.dtype)
+        y = F.rms_norm(_f32(x), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return (y * F.silu(_f32(gate))).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -63,12 +69,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64):
 
     ``q``, ``k``: ``[b, s, h, dk]`` (already L2-normalised); ``v``: ``[b, s, h, dv]``; ``g``
     (log decay, <= 0) and ``beta``: ``[b, s, h]``. Returns ``[b, s, h, dv]`` in ``v``'s dtype.
-    Computed in float32.
+    Computed in float32 (float64 inputs stay float64).
     """
     out_dtype = v.dtype
     b, s, h, dk = k.shape
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [b, h, s, d]
-    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # [b, h, s]
+    q, k, v = (_f32(x.transpose(1, 2)) for x in (q, k, v))  # [b, h, s, d]
+    g, beta = _f32(g.transpose(1, 2)), _f32(beta.transpose(1, 2))  # [b, h, s]
     q = q * dk**-0.5
     pad = -s % chunk
     if pad:
@@ -86,7 +92,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64):
     # resolved against each other
     a = (kb @ k.transpose(-1, -2)) * decay
     system = a.masked_fill(~torch.ones_like(future).tril(-1), 0.0)
-    system = system + torch.eye(chunk, device=q.device)
+    system = system + torch.eye(chunk, device=q.device, dtype=q.dtype)
     u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(
         system, kb * gc.exp()[..., None], upper=False, unitriangular=True
@@ -105,30 +111,52 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64):
     return out.transpose(1, 2).to(out_dtype)
 
 
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over the channels of ``[b, s, c]``, then SiLU. The channel
+    count is read from the weight, so the module runs unchanged on a slice of the channels."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for a depthwise convolution (fan-in = kernel size)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, k = x.shape[1], self.weight.shape[-1]
+        y = F.conv1d(x.transpose(1, 2), self.weight, padding=k - 1, groups=self.weight.shape[0])
+        return F.silu(y[..., :s]).transpose(1, 2)
+
+
 class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule: fused q/k/v projection through a short causal
-    depthwise convolution (SiLU), per-head decay ``-exp(A_log) * softplus(a + dt_bias)`` and
-    write strength ``sigmoid(b)``, grouped value heads, a gated RMSNorm and the output
-    projection. Heads are independent, so tensor parallelism can split them."""
+    """Linear attention with the gated delta rule: q/k/v projections, each through a short
+    causal depthwise convolution (SiLU), per-head decay ``-exp(A_log) * softplus(a + dt_bias)``
+    and write strength ``sigmoid(b)``, grouped value heads, a gated RMSNorm and the output
+    projection.
+
+    Every parameter is either per head (rows of the input projections, channels of the
+    convolutions, ``A_log``, ``dt_bias``, columns of ``out_proj``) or shared by all heads (the
+    norm), and the forward reads head counts from the tensors, so tensor parallelism splits the
+    heads without changing this code. HuggingFace stores q/k/v (and their convolutions) fused
+    in one ``in_proj_qkv`` / ``conv1d``; :mod:`~hp_trainer.models._hf` splits and joins them.
+    """
 
     def __init__(self, cfg) -> None:
         super().__init__()
         self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(cfg.dim, conv_dim, bias=False)
+        self.in_proj_q = nn.Linear(cfg.dim, key_dim, bias=False)
+        self.in_proj_k = nn.Linear(cfg.dim, key_dim, bias=False)
+        self.in_proj_v = nn.Linear(cfg.dim, value_dim, bias=False)
+        self.conv_q = ShortConv(key_dim, cfg.linear_conv_kernel)
+        self.conv_k = ShortConv(key_dim, cfg.linear_conv_kernel)
+        self.conv_v = ShortConv(value_dim, cfg.linear_conv_kernel)
         self.in_proj_z = nn.Linear(cfg.dim, value_dim, bias=False)
         self.in_proj_b = nn.Linear(cfg.dim, self.nv, bias=False)
         self.in_proj_a = nn.Linear(cfg.dim, self.nv, bias=False)
-        self.conv1d = nn.Conv1d(
-            conv_dim,
-            conv_dim,
-            cfg.linear_conv_kernel,
-            groups=conv_dim,
-            bias=False,
-            padding=cfg.linear_conv_kernel - 1,
-        )
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.nv).uniform_(1, 16)))
         self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
@@ -137,28 +165,24 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Decay parameters as in the reference initialisation; the convolution's default."""
+        """Decay parameters as in the reference initialisation (the convolutions reset
+        themselves)."""
         nn.init.ones_(self.dt_bias)
         self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
-        self.conv1d.reset_parameters()
 
     def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
         bsz, s, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)
-        mixed = F.silu(self.conv1d(mixed)[..., :s]).transpose(1, 2)
-        key_dim = self.nk * self.dk
-        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-        q = q.reshape(bsz, s, -1, self.dk)
-        k = k.reshape(bsz, s, -1, self.dk)
-        v = v.reshape(bsz, s, -1, self.dv)
+        q = self.conv_q(self.in_proj_q(x)).reshape(bsz, s, -1, self.dk)
+        k = self.conv_k(self.in_proj_k(x)).reshape(bsz, s, -1, self.dk)
+        v = self.conv_v(self.in_proj_v(x)).reshape(bsz, s, -1, self.dv)
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = -_f32(self.A_log).exp() * F.softplus(_f32(self.in_proj_a(x)) + self.dt_bias)
         rep = v.shape[2] // q.shape[2]  # value heads per key head
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         # L2 normalisation as the reference kernels define it: eps inside the square root
-        q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)
-        k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        q = _f32(q) * torch.rsqrt(_f32(q).pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = _f32(k) * torch.rsqrt(_f32(k).pow(2).sum(-1, keepdim=True) + 1e-6)
         o = chunk_gated_delta_rule(q, k, v, g, beta, chunk=self.chunk)
         z = self.in_proj_z(x).reshape(bsz, s, -1, self.dv)
         o = self.norm(o, z).reshape(bsz, s, -1)
