@@ -24,11 +24,12 @@ from ._ext import load
 
 _BARRIER_MS = 60_000
 _META = 4096  # bytes at the start of each buffer for split sizes
-# How a peer's bytes are moved: "ce" (copy engines, cudaMemcpyAsync; leaves the SMs to compute)
-# or "sm" (a 16-byte-per-thread copy kernel). Big copies are cut in _SPLIT pieces spread over
-# side streams, so that several copy engines work at once.
+# How a peer's bytes are moved: "ce" (copy engines, cudaMemcpyAsync; leaves the SMs to compute),
+# "sm" (a 16-byte-per-thread copy kernel) or "mixed" (big copies cut between the two). Copies
+# may also be cut in _SPLIT pieces spread over side streams (several copy engines at once).
 _COPY = os.environ.get("HP_KERNELS_GPU_COPY", "ce")
 _SPLIT = int(os.environ.get("HP_KERNELS_GPU_SPLIT", "1"))
+_CE_SHARE = float(os.environ.get("HP_KERNELS_GPU_CE_SHARE", "0.6"))  # for _COPY == "mixed"
 _STREAMS = 4
 # matmul_reduce_scatter on 2 GPUs: "pull" the peer's partial beside the own GEMM then add, or
 # let the own GEMM's epilogue read it in place ("remote").
@@ -211,9 +212,10 @@ def _ws(group: dist.ProcessGroup | None, device: torch.device) -> _GpuWorkspace:
     return entry[1]
 
 
-def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy bytes (either side may be a peer's buffer) on the current stream."""
-    if _COPY == "sm":
+def _move(dst: torch.Tensor, src: torch.Tensor, how: str | None = None) -> None:
+    """Copy bytes (either side may be a peer's buffer) on the current stream, by the copy
+    engines (``"ce"``) or a copy kernel (``"sm"``)."""
+    if (how or _COPY) == "sm":
         c = load()
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         err = c.cuda_copy(dst.data_ptr(), src.data_ptr(), dst.numel(), 132, stream)
@@ -236,17 +238,25 @@ def _fan_out(ws: _GpuWorkspace, pairs: list[tuple[torch.Tensor, torch.Tensor]]) 
     pieces = []
     for dst, src in pairs:
         n = dst.numel()
+        if _COPY == "mixed" and n >= (8 << 20):
+            # the copy engines and a copy kernel side by side on one big copy: together they
+            # draw more from NVLink than either alone
+            cut = int(n * _CE_SHARE) // 4096 * 4096
+            pieces += [(dst[:cut], src[:cut], "ce"), (dst[cut:], src[cut:], "sm")]
+            continue
         k = _SPLIT if n >= (8 << 20) else 1
         step = -(-n // k)
         step = -(-step // 4096) * 4096
         for lo in range(0, n, step):
-            pieces.append((dst[lo : lo + step], src[lo : lo + step]))
+            pieces.append(
+                (dst[lo : lo + step], src[lo : lo + step], "sm" if _COPY == "sm" else "ce")
+            )
     used = ws.streams[: min(len(pieces), len(ws.streams))]
     for s in used:
         s.wait_event(start)
-    for i, (dst, src) in enumerate(pieces):
+    for i, (dst, src, how) in enumerate(pieces):
         with torch.cuda.stream(used[i % len(used)]):
-            _move(dst, src)
+            _move(dst, src, how)
     for s in used:
         done = torch.cuda.Event()
         done.record(s)
