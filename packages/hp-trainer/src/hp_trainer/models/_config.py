@@ -361,6 +361,8 @@ CONFIGS: dict[str, TransformerConfig] = {
     # Qwen3.5-0.8B(-Base) text model: 24 blocks of width 1024 (8 query / 2 key-value heads of
     # 256, feed-forward 3584, tied embeddings), Gated DeltaNet with 16 heads of 128
     "qwen3.5-0.8b": _qwen3_5(1024, 24, 8, 2, 3584, (16, 16), True),
+    # Qwen3.5-9B: transformers' Qwen3_5TextConfig defaults, documented there as this model's
+    "qwen3.5-9b": _qwen3_5(4096, 32, 16, 4, 12288, (16, 32), False),
     "qwen3-tiny": TransformerConfig(
         "qwen3",
         256,
