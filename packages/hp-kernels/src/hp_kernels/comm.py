@@ -380,7 +380,8 @@ def all_gather_into_tensor(
         dst = base + r * n * es
         shared = call.peer_symmetric(descs[r], r)
         if r == call.rank:
-            c.copy(dst, input.data_ptr(), n * es, _threads())
+            if dst != input.data_ptr():  # in place (input is output's own slot): nothing to do
+                c.copy(dst, input.data_ptr(), n * es, _threads())
         elif shared is not None:
             c.copy(dst, shared, n * es, _threads())
         elif ws.cma:
