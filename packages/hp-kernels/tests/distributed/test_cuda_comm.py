@@ -129,6 +129,13 @@ def _symmetric_body():
     got = mem.get((rank + 1) % world, torch.empty(16, device=dev, dtype=torch.bfloat16))
     assert float(got.float().mean()) == float(rank)
     mem.barrier()
+    # one-sided: put into the right neighbour, signal it; wait for the left one's signal
+    right, left = (rank + 1) % world, (rank - 1) % world
+    mem.put(torch.full((8,), 7.0 + rank, device=dev, dtype=torch.bfloat16), right, offset=64)
+    mem.signal(right)
+    mem.wait(left)
+    assert float(mem.buffer[32:40].float().mean()) == 7.0 + left
+    mem.barrier()
     x = mem.buffer[100:1100]  # an offset inside the allocation, the same on every rank
     x.copy_(torch.randn(1000, device=dev).bfloat16())
     ours = torch.empty(world * 1000, device=dev, dtype=torch.bfloat16)
@@ -148,3 +155,20 @@ def _symmetric_body():
 
 def test_symmetric_inputs(gpus):
     assert gpus.run(_symmetric_body) == [True, True]
+
+
+def test_moe_permutation_on_cuda():
+    from hp_kernels import moe
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(50, 8, generator=g)
+    idx = torch.randint(0, 6, (50, 2), generator=g)
+    probs = torch.rand(50, 2, generator=g)
+    cpu = moe.permute_tokens(tokens, idx, 6)
+    gpu = moe.permute_tokens(tokens.to(dev), idx.to(dev), 6)
+    assert torch.equal(gpu.order.cpu(), cpu.order) and torch.equal(gpu.counts.cpu(), cpu.counts)
+    torch.testing.assert_close(gpu.tokens.cpu(), cpu.tokens)
+    out_cpu = moe.unpermute_tokens(cpu.tokens, cpu.order, probs)
+    out_gpu = moe.unpermute_tokens(gpu.tokens, gpu.order, probs.to(dev))
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu)
