@@ -9,6 +9,7 @@ is installed from its folder in development mode (``pip install -e``), transitiv
     nox -s lint                           # ruff + import-linter layering contracts
     nox -s demo                           # torchrun --standalone --nproc_per_node=4 the demo
     nox -s install                        # wheels of every package; pip install hyperparallel
+    nox -s tests_mindspore                # hp_dtensor's MindSpore backend (msrun workers)
     nox -s bench                          # every benchmarks/<package>/*.py script
 
 Virtualenvs use pip (virtualenv backend) so that pip's machine configuration (local wheels,
@@ -338,6 +339,36 @@ def demo(session: nox.Session) -> None:
             steps = int(session.posargs[i + 1]) + 20
     session.run(
         "hp-train", "--config", config, *session.posargs, "--training.steps", str(steps), env=env
+    )
+
+
+MINDSPORE = ["mindspore==2.10.0", "numpy<2"]  # MindSpore 2.x is built against NumPy 1
+
+
+@nox.session
+def tests_mindspore(session: nox.Session) -> None:
+    """hp_dtensor's MindSpore backend: a venv with MindSpore (and torch, which hp_dtensor also
+    imports) where the ``tests/mindspore`` folders run, launching ``msrun`` workers. Skips with
+    a message where MindSpore cannot be installed."""
+    pin = _constraints(session)
+    session.install(TORCH, *pin)
+    try:
+        session.install(*MINDSPORE, *TEST_TOOLS, *pin)
+    except CommandFailed:
+        session.skip("MindSpore could not be installed here; its backend tests did not run")
+    local = _with_local_deps(["hp-dtensor"])
+    session.install("--no-deps", *[a for n in local for a in ("-e", PACKAGES[n].rel)])
+    folders = [
+        p.relative_to(ROOT).as_posix() for p in sorted(ROOT.glob("packages/*/tests/mindspore"))
+    ]
+    session.run(
+        "pytest",
+        *folders,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={PYTEST_TIMEOUT_S}",
+        *session.posargs,
     )
 
 

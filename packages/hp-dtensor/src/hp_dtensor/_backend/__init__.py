@@ -93,6 +93,8 @@ _REGISTRY: dict[str, str] = {
     "mindspore": "hp_dtensor._backend._mindspore:MindSporePlatform",
 }
 _DEVICE_TYPE_BACKEND = {"cpu": "torch", "cuda": "torch", "npu": "torch", "meta": "torch"}
+# how to install a backend's framework, for the error when it is missing
+_INSTALL = {"mindspore": 'pip install mindspore "numpy<2" (MindSpore 2.x is built on NumPy 1)'}
 _INSTANCES: dict[str, Platform] = {}
 
 
@@ -147,9 +149,10 @@ def get_platform(device_type: str | None = None) -> Platform:
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
+        how = _INSTALL.get(name, "install its framework")
         raise BackendError(
-            f"backend {name!r} could not be loaded from {mod_name}: {e}. Install its framework "
-            f"or choose another backend with HP_BACKEND"
+            f"backend {name!r} could not be loaded from {mod_name}: {e}. To use it: {how}; or "
+            f"choose another backend with HP_BACKEND (one of {available_platforms()})"
         ) from e
     inst = getattr(mod, attr)()
     _INSTANCES[name] = inst

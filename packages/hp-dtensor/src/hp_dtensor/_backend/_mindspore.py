@@ -1,0 +1,221 @@
+"""The MindSpore platform: collectives through ``mindspore.communication`` (HCCL on Ascend,
+MCCL on CPU), tensor factories, and the process-group calls hp_dtensor needs.
+
+Imported only when asked for (``HP_BACKEND=mindspore`` or a mesh whose device type is served by
+it); importing it without MindSpore raises ``ImportError``, which ``get_platform`` turns into a
+message naming the package to install.
+
+MindSpore on CPU has all-reduce (sum only), all-gather, broadcast and barrier but no
+reduce-scatter, all-to-all or point-to-point kernels: there reduce-scatter, all-to-all and the
+max/min all-reduce are built from all-reduce and all-gather (correct, more traffic); on Ascend
+the native operators run. Groups are MindSpore
+group names (strings); ``None`` means the world group.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mindspore as ms
+import numpy as np
+from mindspore import communication as comm
+from mindspore import ops
+
+from ..errors import BackendError
+
+__all__ = ["MindSporePlatform"]
+
+_names = itertools.count()
+
+
+class _Done:
+    """Handle of a collective that already ran (MindSpore's run synchronously here)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _ascend() -> bool:
+    return ms.get_context("device_target") == "Ascend"
+
+
+def _into(out, value) -> None:
+    """Write ``value`` into the existing tensor ``out`` (the ``*_into`` contract)."""
+    if tuple(out.shape) != tuple(value.shape):
+        value = value.reshape(out.shape)
+    out.assign_value(value.astype(out.dtype))
+
+
+class MindSporePlatform:
+    """``Platform`` over MindSpore."""
+
+    name = "mindspore"
+
+    def __init__(self) -> None:
+        self._initialized = False
+        self._groups: dict[tuple[int, ...], str] = {}
+        self._ranks: dict[str, list[int]] = {}
+
+    # devices ----------------------------------------------------------------------------
+    def default_device_type(self) -> str:
+        return "npu" if _ascend() else "cpu"
+
+    def device_for_rank(self, device_type: str):
+        target = {"cpu": "CPU", "npu": "Ascend", "cuda": "GPU"}.get(device_type)
+        if target is None:
+            raise BackendError(f"device_type={device_type!r} has no MindSpore device target")
+        ms.set_device(target)
+        return device_type
+
+    def default_comm_backend(self, device_type: str) -> str:
+        return "hccl" if device_type == "npu" else "mccl"
+
+    # process groups -----------------------------------------------------------------------
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def init_process_group(self, backend, timeout_s, device_type) -> None:
+        self.device_for_rank(device_type)
+        comm.init()  # msrun (or the Ascend launcher) provides the rendezvous
+        self._initialized = True
+
+    def destroy_process_group(self, group=None) -> None:
+        if group is None and self._initialized:
+            comm.release()
+            self._initialized = False
+
+    def _group(self, group) -> str:
+        return comm.GlobalComm.WORLD_COMM_GROUP if group is None else group
+
+    def get_rank(self, group=None) -> int:
+        return comm.get_rank(self._group(group))
+
+    def get_world_size(self, group=None) -> int:
+        return comm.get_group_size(self._group(group))
+
+    def new_group(self, ranks, timeout_s=None):
+        ranks = tuple(int(r) for r in ranks)
+        if len(ranks) == self.get_world_size():
+            return None
+        name = self._groups.get(ranks)
+        if name is None:
+            name = f"hp_group_{next(_names)}_{'_'.join(map(str, ranks))}"
+            if comm.get_rank() in ranks:
+                comm.create_group(name, list(ranks))
+            self._groups[ranks] = name
+            self._ranks[name] = list(ranks)
+        return name
+
+    def group_ranks(self, group) -> list[int]:
+        if group is None:
+            return list(range(self.get_world_size()))
+        return list(self._ranks[group])
+
+    def group_backend(self, group) -> str:
+        return "hccl" if _ascend() else "mccl"
+
+    # collectives ----------------------------------------------------------------------------
+    _REDUCE = {"sum": "sum", "max": "max", "min": "min", "avg": "sum"}
+
+    def _all_reduce_value(self, t, op: str, group):
+        if op not in self._REDUCE:
+            raise BackendError(
+                f"reduce op {op!r} is not supported: use one of {sorted(self._REDUCE)}"
+            )
+        red = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
+        if op in ("max", "min") and not _ascend():
+            # CPU all-reduce sums only: gather every rank's tensor and reduce here
+            stacked = ops.AllGather(group=self._group(group))(t.reshape((1, *t.shape)))
+            return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+        out = ops.AllReduce(op=red[self._REDUCE[op]], group=self._group(group))(t)
+        if op == "avg":
+            out = out / self.get_world_size(group)
+        return out
+
+    def all_gather_into(self, out, inp, group, async_op=False):
+        _into(out, ops.AllGather(group=self._group(group))(inp))
+        return _Done() if async_op else None
+
+    def reduce_scatter_into(self, out, inp, op, group, async_op=False):
+        n = self.get_world_size(group)
+        if _ascend() and op in ("sum", "max", "min"):
+            red = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
+            value = ops.ReduceScatter(op=red[op], group=self._group(group))(inp)
+        else:  # CPU: no reduce-scatter kernel; all-reduce, keep this rank's block
+            full = self._all_reduce_value(inp, op, group)
+            rows = inp.shape[0] // n
+            r = self.get_rank(group)
+            value = full[r * rows : (r + 1) * rows]
+        _into(out, value)
+        return _Done() if async_op else None
+
+    def all_reduce(self, t, op, group, async_op=False):
+        _into(t, self._all_reduce_value(t, op, group))
+        return _Done() if async_op else None
+
+    def all_to_all(self, out, inp, out_splits, in_splits, group, async_op=False):
+        """Rows of ``inp`` (dim 0) split by ``in_splits`` go to the ranks; ``out`` gathers theirs.
+        On CPU: the split sizes travel in one all-gather, then every rank's input padded to the
+        largest in another, and each rank keeps the rows sent to it."""
+        n = self.get_world_size(group)
+        r = self.get_rank(group)
+        in_splits = list(in_splits) if in_splits else [inp.shape[0] // n] * n
+        out_splits = list(out_splits) if out_splits else [out.shape[0] // n] * n
+        sizes = ops.AllGather(group=self._group(group))(
+            ms.Tensor(np.array([in_splits], dtype=np.int64))
+        ).asnumpy()  # [n, n]: sizes[p][q] rows p sends to q
+        rows = int(sizes.sum(axis=1).max())
+        pad = rows - inp.shape[0]
+        x = inp
+        if pad:
+            x = ops.concat([inp, ops.zeros((pad, *inp.shape[1:]), inp.dtype)], axis=0)
+        everyone = ops.AllGather(group=self._group(group))(x)  # [n * rows, ...]
+        pieces = []
+        for p in range(n):
+            start = p * rows + int(sizes[p][:r].sum())
+            count = int(sizes[p][r])
+            if count != out_splits[p]:
+                raise BackendError(
+                    f"all_to_all: rank {p} sends {count} rows to rank {r}, whose out_splits[{p}] "
+                    f"is {out_splits[p]}"
+                )
+            if count:
+                pieces.append(everyone[start : start + count])
+        value = ops.concat(pieces, axis=0) if pieces else out
+        _into(out, value)
+        return _Done() if async_op else None
+
+    def broadcast(self, t, src, group, async_op=False):
+        ranks = self.group_ranks(group)
+        root = ranks.index(src) if group is not None else src
+        (value,) = ops.Broadcast(root, group=self._group(group))((t,))
+        _into(t, value)
+        return _Done() if async_op else None
+
+    def barrier(self, group=None) -> None:
+        from mindspore import mint
+
+        mint.distributed.barrier(group=self._group(group))
+
+    # tensor factories ------------------------------------------------------------------------
+    def empty(self, shape, dtype, device):
+        return ops.zeros(tuple(shape), dtype)
+
+    def zeros(self, shape, dtype, device):
+        return ops.zeros(tuple(shape), dtype)
+
+    # streams and events: MindSpore orders work itself in PyNative mode ---------------------------
+    def new_stream(self, device):
+        return None
+
+    def current_stream(self, device):
+        return None
+
+    def new_event(self, device):
+        return None
+
+    def synchronize(self, device) -> None:
+        ms.runtime.synchronize() if hasattr(ms, "runtime") else None
