@@ -40,7 +40,7 @@ __global__ void reduce_kernel(D* dst, Srcs srcs, int nsrc, size_t n, int op, flo
     float acc = ld<S>(static_cast<const S*>(srcs.p[0]), i);
     for (int k = 1; k < nsrc; ++k) {
       float v = ld<S>(static_cast<const S*>(srcs.p[k]), i);
-      acc = (op == MAX) ? fmaxf(acc, v) : acc + v;
+      acc = (op == MAX) ? ((v > acc || v != v) ? v : acc) : acc + v;  // NaN wins, as torch
     }
     if (op == AVG) acc *= scale;
     st<D>(dst, i, acc);
@@ -64,7 +64,7 @@ __global__ void reduce_vec_kernel(D* dst, Srcs srcs, int nsrc, size_t npacks, in
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         float v = ld<S>(q.x, j);
-        acc[j] = (op == MAX) ? fmaxf(acc[j], v) : acc[j] + v;
+        acc[j] = (op == MAX) ? ((v > acc[j] || v != v) ? v : acc[j]) : acc[j] + v;
       }
     }
     Pack<D, V> out;

@@ -71,6 +71,7 @@ int wait_geq(uintptr_t addr, uint64_t value, double timeout_s, int64_t pid) {
     if (flag->load(std::memory_order_acquire) >= value) return 0;
   }
   using clock = std::chrono::steady_clock;
+  timeout_s = std::min(std::max(timeout_s, 0.0), 1e7);  // an "infinite" timeout must not overflow
   const auto start = clock::now();
   const auto deadline = start + std::chrono::duration_cast<clock::duration>(
                                     std::chrono::duration<double>(timeout_s));

@@ -86,12 +86,16 @@ void install_cleanup_handlers() {
   if (g_installed.exchange(true)) return;
   std::atexit(unlink_all);
   for (size_t i = 0; i < sizeof(kSignals) / sizeof(kSignals[0]); ++i) {
+    struct sigaction prev;
+    ::sigaction(kSignals[i], nullptr, &prev);
+    g_previous[i] = prev;
+    if (!(prev.sa_flags & SA_SIGINFO) && prev.sa_handler == SIG_IGN) continue;  // left ignored
     struct sigaction sa;
     std::memset(&sa, 0, sizeof(sa));
     sa.sa_sigaction = on_signal;
-    sa.sa_flags = SA_SIGINFO;
+    sa.sa_flags = SA_SIGINFO | (prev.sa_flags & SA_ONSTACK);  // keep faulthandler's alt stack
     sigemptyset(&sa.sa_mask);
-    ::sigaction(kSignals[i], &sa, &g_previous[i]);
+    ::sigaction(kSignals[i], &sa, nullptr);
   }
 }
 
@@ -119,8 +123,12 @@ uintptr_t shm_create(const std::string& name, size_t nbytes) {
   if (fd < 0)
     throw std::runtime_error("shm_open(create) of '" + name + "' failed: " + std::strerror(errno));
   remember(name);
-  if (::ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
-    int err = errno;
+  // ftruncate alone leaves a sparse file: a full /dev/shm would then surface as SIGBUS on the
+  // first write. posix_fallocate reserves the pages now, so it fails here, with a message.
+  int rc = ::ftruncate(fd, static_cast<off_t>(nbytes)) != 0 ? errno : 0;
+  if (rc == 0) rc = ::posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
+  if (rc != 0) {
+    int err = rc;
     ::close(fd);
     shm_unlink_name(name);
     throw std::runtime_error("could not size shared memory '" + name + "' to " +

@@ -14,6 +14,7 @@ round trip per call); PyTorch's symmetric memory barrier times out on a missing 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -59,6 +60,17 @@ class _GpuWorkspace:
         self.side = torch.cuda.Stream(device=device)
         self.streams = [torch.cuda.Stream(device=device) for _ in range(_STREAMS)]
         self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.last: torch.cuda.Event | None = None  # the end of the previous call on any stream
+
+    def enter(self) -> None:
+        """Order this call after the previous one on this workspace, whatever streams they use
+        (one buffer and one barrier channel are shared)."""
+        if self.last is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.last)
+
+    def leave(self) -> None:
+        self.last = torch.cuda.Event()
+        self.last.record(torch.cuda.current_stream(self.device))
 
     def ensure(self, nbytes: int) -> None:
         """Collective when it grows: every rank must pass the same ``nbytes``."""
@@ -74,7 +86,7 @@ class _GpuWorkspace:
                 enable(name)
             except Exception:  # noqa: BLE001 - already enabled, or not needed in this torch
                 pass
-        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.synchronize(self.device)  # no stream may still use the old buffer
         self.buf = symm.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm.rendezvous(self.buf, name)
         self._views = {}
@@ -212,6 +224,24 @@ def _ws(group: dist.ProcessGroup | None, device: torch.device) -> _GpuWorkspace:
     return entry[1]
 
 
+def _ordered(fn):
+    """Run a collective after the previous one on its workspace (see ``enter``)."""
+
+    def wrapper(*args, **kwargs):
+        t = next(a for a in args if isinstance(a, torch.Tensor))
+        ws = _ws(kwargs.get("group"), t.device)
+        with torch.cuda.device(t.device):
+            ws.enter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ws.leave()
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
 def _move(dst: torch.Tensor, src: torch.Tensor, how: str | None = None) -> None:
     """Copy bytes (either side may be a peer's buffer) on the current stream, by the copy
     engines (``"ce"``) or a copy kernel (``"sm"``)."""
@@ -300,11 +330,17 @@ def _reduce(
         if err:
             raise RuntimeError(f"hp_kernels cuda_reduce failed: {err}")
         return
-    acc = torch.stack([v.float() if v.is_floating_point() else v for v in peer_views])
+    acc = torch.stack(
+        [
+            (v.double() if v.dtype == torch.float64 else v.float()) if v.is_floating_point() else v
+            for v in peer_views
+        ]
+    )
     res = {"sum": acc.sum(0), "avg": acc.float().mean(0), "max": acc.max(0).values}[op]
     dst.copy_(res)
 
 
+@_ordered
 def all_gather_into_tensor(output, input, *, group=None):
     ws = _ws(group, input.device)
     n = input.numel() * input.element_size()
@@ -324,8 +360,15 @@ def all_gather_into_tensor(output, input, *, group=None):
     else:  # read the peers' inputs in place
         ws.ensure(1)
         mem, off = sym
+        out_sym = _find(output, ws.group)
+        if out_sym is not None and out_sym[0] is mem and off == out_sym[1] + me * n:
+            starts = {p: out_sym[1] + p * n for p in range(ws.world)}  # in place: own chunks
+        else:
+            starts = {p: off for p in range(ws.world)}  # the same offset on every rank
         ws.barrier()
-        peers = {p: mem.peer_bytes(p)[off : off + n] for p in range(ws.world) if p != me}
+        peers = {
+            p: mem.peer_bytes(p)[starts[p] : starts[p] + n] for p in range(ws.world) if p != me
+        }
     pairs = [(out[me * n : (me + 1) * n], src)]
     pairs += [(out[p * n : (p + 1) * n], peers[p]) for p in sorted(peers)]
     _fan_out(ws, pairs)
@@ -333,6 +376,7 @@ def all_gather_into_tensor(output, input, *, group=None):
     return output
 
 
+@_ordered
 def all_to_all_single(
     output, input, output_split_sizes=None, input_split_sizes=None, *, group=None
 ):
@@ -340,7 +384,7 @@ def all_to_all_single(
     world, me = ws.world, ws.rank
     if input.dim() == 0 or input.shape[1:] != output.shape[1:] or input.dtype != output.dtype:
         raise ValueError("all_to_all_single: input and output need the same dtype and row shape")
-    row = (input.numel() // input.shape[0] if input.shape[0] else 0) * input.element_size()
+    row = math.prod(input.shape[1:]) * input.element_size()
     if input_split_sizes is None:
         if input.shape[0] % world:
             raise ValueError("all_to_all_single: dim 0 must divide by world_size without splits")
@@ -423,8 +467,10 @@ def _stage_others(ws, flat, wire, bounds):
             ws.view(ws.rank, m * wes, s * wes).view(wire).copy_(flat[s : s + m])
 
 
+@_ordered
 def reduce_scatter_tensor(output, input, op="sum", *, group=None, wire_dtype=None):
     ws = _ws(group, input.device)
+    _bytes(input), _bytes(output)  # contiguity, checked before any barrier
     wire = _wire(op, input.dtype, wire_dtype)
     n_out = output.numel()
     if input.numel() != ws.world * n_out:
@@ -444,8 +490,10 @@ def reduce_scatter_tensor(output, input, op="sum", *, group=None, wire_dtype=Non
     return output
 
 
+@_ordered
 def all_reduce(tensor, op="sum", *, group=None, wire_dtype=None):
     ws = _ws(group, tensor.device)
+    _bytes(tensor)  # contiguity, checked before any barrier
     wire = _wire(op, tensor.dtype, wire_dtype)
     n = tensor.numel()
     wes = torch.empty((), dtype=wire).element_size()
@@ -489,6 +537,7 @@ def all_reduce(tensor, op="sum", *, group=None, wire_dtype=None):
 # ---------------------------------------------------------------------------------------------
 
 
+@_ordered
 def all_gather_matmul(x_shard, weights, *, group=None, gather_dim=0, return_gathered=False):
     """Own shard's products on the current stream while the side stream pulls the peers'
     shards (copy engines); each peer's products start as soon as its shard has landed."""
@@ -547,6 +596,7 @@ def all_gather_matmul(x_shard, weights, *, group=None, gather_dim=0, return_gath
     return (gathered, outs) if return_gathered else outs
 
 
+@_ordered
 def matmul_reduce_scatter(x, weight, *, group=None, scatter_dim=0, reduce_op="sum"):
     """Peers' partial products first, written straight into this rank's symmetric buffer; the
     side stream pulls the partials meant for this rank while the own chunk's product runs;

@@ -106,8 +106,9 @@ class _Workspace:
         """Collective: every rank calls it with the same ``needed`` (the largest request)."""
         size = max(needed, 2 * self.capacity(), 1 << 16)
         size = 1 << (size - 1).bit_length() if size < (1 << 26) else -(-size // (1 << 24)) << 24
-        if self.mem is not None:
-            self.mem.close()
+        old, self.mem = self.mem, None  # a failed allocation must not leave a closed handle
+        if old is not None:
+            old.close()
         self.mem = empty((size,), torch.uint8, group=self.group)
         return self.mem
 
@@ -375,20 +376,22 @@ def all_gather_into_tensor(
         call.finish()
         raise _sizes_error("all_gather_into_tensor", descs, _D_NIN, "input.numel()")
     base = output.data_ptr()
-    for i in range(call.world):
-        r = (call.rank + i) % call.world
-        dst = base + r * n * es
-        shared = call.peer_symmetric(descs[r], r)
-        if r == call.rank:
-            if dst != input.data_ptr():  # in place (input is output's own slot): nothing to do
-                c.copy(dst, input.data_ptr(), n * es, _threads())
-        elif shared is not None:
-            c.copy(dst, shared, n * es, _threads())
-        elif ws.cma:
-            call.read_peer(r, dst, descs[r][_D_ADDR], n * es)
-        else:
-            c.copy(dst, call.slot(r), n * es, _threads())
-    call.finish()
+    try:  # a failing read still meets the others at the closing barrier
+        for i in range(call.world):
+            r = (call.rank + i) % call.world
+            dst = base + r * n * es
+            shared = call.peer_symmetric(descs[r], r)
+            if r == call.rank:
+                if dst != input.data_ptr():  # in place (input is output's own slot): nothing to do
+                    c.copy(dst, input.data_ptr(), n * es, _threads())
+            elif shared is not None:
+                c.copy(dst, shared, n * es, _threads())
+            elif ws.cma:
+                call.read_peer(r, dst, descs[r][_D_ADDR], n * es)
+            else:
+                c.copy(dst, call.slot(r), n * es, _threads())
+    finally:
+        call.finish()
     return output
 
 
@@ -500,22 +503,24 @@ def all_to_all_single(
     row_bytes = row * es
     out_base = output.data_ptr()
     out_offsets = [sum(s_out[:p]) for p in range(world)]
-    for i in range(world):
-        p = (me + i) % world
-        d = descs[p]
-        src = sum(d[_HEAD : _HEAD + me]) * row_bytes
-        dst = out_base + out_offsets[p] * row_bytes
-        size = s_out[p] * row_bytes
-        shared = call.peer_symmetric(d, p)
-        if p == me:
-            c.copy(dst, input.data_ptr() + src, size, _threads())
-        elif shared is not None:
-            c.copy(dst, shared + src, size, _threads())
-        elif ws.cma:
-            call.read_peer(p, dst, d[_D_ADDR] + src, size)
-        else:
-            c.copy(dst, call.slot(p) + src, size, _threads())
-    call.finish()
+    try:  # a failing read still meets the others at the closing barrier
+        for i in range(world):
+            p = (me + i) % world
+            d = descs[p]
+            src = sum(d[_HEAD : _HEAD + me]) * row_bytes
+            dst = out_base + out_offsets[p] * row_bytes
+            size = s_out[p] * row_bytes
+            shared = call.peer_symmetric(d, p)
+            if p == me:
+                c.copy(dst, input.data_ptr() + src, size, _threads())
+            elif shared is not None:
+                c.copy(dst, shared + src, size, _threads())
+            elif ws.cma:
+                call.read_peer(p, dst, d[_D_ADDR] + src, size)
+            else:
+                c.copy(dst, call.slot(p) + src, size, _threads())
+    finally:
+        call.finish()
     return output
 
 
@@ -588,7 +593,7 @@ def reduce_scatter_tensor(
         error=error,
     )
     c = call.c
-    wcode, dcode = _dtypes.CODES[wire], _dtypes.CODES[input.dtype]
+    wcode, dcode = _dtypes.CODES.get(wire, -1), _dtypes.CODES.get(input.dtype, -1)
 
     def write(mem: SymmetricMemory) -> None:
         if sym is None:
@@ -661,7 +666,7 @@ def all_reduce(
         error=error,
     )
     c = call.c
-    wcode, dcode = _dtypes.CODES[wire], _dtypes.CODES[tensor.dtype]
+    wcode, dcode = _dtypes.CODES.get(wire, -1), _dtypes.CODES.get(tensor.dtype, -1)
     descs = call.start(
         lambda mem: c.convert(
             mem.buffer_addr(call.rank), wcode, tensor.data_ptr(), dcode, n, _threads()

@@ -89,12 +89,12 @@ def all_gather_matmul(
     c = call.c
     m = x_shard.shape[dim]
     outs = []
-    for w in weights:
+    for w in weights if error is None else ():
         shape = list(x_shard.shape[:-1]) + [w.shape[1]]
         shape[dim] = m * world
         outs.append(torch.empty(shape, dtype=x_shard.dtype))
     gathered = None
-    if return_gathered:
+    if return_gathered and error is None:
         gshape = list(x_shard.shape)
         gshape[dim] = m * world
         gathered = torch.empty(gshape, dtype=x_shard.dtype)

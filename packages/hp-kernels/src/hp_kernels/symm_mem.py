@@ -99,6 +99,9 @@ class SymmetricMemory:
         self.world_size = world_size
         self.group = group
         self.pids = list(pids)
+        # a peer in another PID namespace has no /proc entry here: its liveness cannot be
+        # watched (waits then end only at the timeout)
+        self._watch = [p if os.path.exists(f"/proc/{p}") else 0 for p in self.pids]
         self.timeout = timeout
         self.nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.desc_words = desc_words
@@ -181,6 +184,7 @@ class SymmetricMemory:
     # ---- synchronisation ------------------------------------------------------------------
 
     def _ctrl(self, rank: int) -> int:
+        self._check_open()
         return self._addr + rank * self._ctrl_stride
 
     def _flag_addr(self, owner: int, source: int, slot: int) -> int:
@@ -228,7 +232,7 @@ class SymmetricMemory:
 
     def _wait(self, addr: int, value: int, peer: int, timeout: float | None, what: str) -> None:
         timeout = self.timeout if timeout is None else timeout
-        status = self._c.wait_geq(addr, value, timeout, self.pids[peer])
+        status = self._c.wait_geq(addr, value, timeout, self._watch[peer])
         if status == 0:
             return
         who = f"rank {peer} (pid {self.pids[peer]}) of the symmetric-memory group"

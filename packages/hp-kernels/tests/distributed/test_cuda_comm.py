@@ -149,6 +149,36 @@ def _symmetric_body():
     comm.all_to_all_single(ours, y)
     dist.all_to_all_single(ref, y)
     assert torch.equal(ours, ref)
+    # in place, as FSDP gathers: each rank's input is its own chunk of a symmetric output
+    out_mem = symm.empty((world * 256,), torch.bfloat16, device=dev)
+    own = out_mem.buffer[rank * 256 : (rank + 1) * 256]
+    own.copy_(torch.randn(256, device=dev).bfloat16())
+    ref = torch.empty(world * 256, device=dev, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(ref, own.clone())
+    comm.all_gather_into_tensor(out_mem.buffer, own)
+    assert torch.equal(out_mem.buffer, ref)
+    # all-to-all where one rank has no rows to send
+    splits = [[0, 0], [3, 2]]
+    x = torch.randn(sum(splits[rank]), 4, device=dev)
+    out_rows = [splits[p][rank] for p in range(world)]
+    ours = torch.full((sum(out_rows), 4), -1.0, device=dev)
+    ref = torch.empty_like(ours)
+    comm.all_to_all_single(ours, x, out_rows, splits[rank])
+    dist.all_to_all_single(ref, x, out_rows, splits[rank])
+    assert torch.equal(ours, ref)
+    # two calls on different streams stay ordered (one workspace, one barrier channel)
+    side = torch.cuda.Stream()
+    a, b = torch.randn(1 << 20, device=dev), torch.randn(1 << 20, device=dev)
+    ga, gb = torch.empty(world << 20, device=dev), torch.empty(world << 20, device=dev)
+    comm.all_gather_into_tensor(ga, a)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        comm.all_gather_into_tensor(gb, b)
+    torch.cuda.synchronize()
+    ra, rb = torch.empty_like(ga), torch.empty_like(gb)
+    dist.all_gather_into_tensor(ra, a)
+    dist.all_gather_into_tensor(rb, b)
+    assert torch.equal(ga, ra) and torch.equal(gb, rb)
     torch.cuda.synchronize()
     return True
 

@@ -36,6 +36,26 @@ class _Done:
         return True
 
 
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _copy_of(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``buf`` holding ``t``'s values (``buf`` is ``t`` itself when ``t`` is contiguous)."""
+    if buf is not t:
+        buf.copy_(t)
+    return buf
+
+
+def _into(out: torch.Tensor, fn) -> None:
+    """Run ``fn(o)`` on a contiguous ``o`` standing for ``out`` (``out`` itself when it is
+    contiguous), then copy back."""
+    o = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    fn(o)
+    if o is not out:
+        out.copy_(o)
+
+
 def enable() -> None:
     """Register the platform and make it the default for ``cpu`` meshes (idempotent)."""
     hp_dtensor.register_platform(NAME, f"{__name__}:make_platform", device_types=("cpu",))
@@ -58,9 +78,9 @@ def make_platform():
         def _ours(self, group, async_op: bool, *tensors: torch.Tensor) -> bool:
             if id(group if group is not None else dist.group.WORLD) in self._multi_host:
                 return False
-            return all(
-                t.device.type == "cpu" and t.is_contiguous() and t.dtype in _DTYPES for t in tensors
-            )
+            # device and dtype agree between ranks; contiguity may not (a size-1 dim of an
+            # uneven shard), so it is handled by copies below, never by a per-rank fallback
+            return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
 
         def _run(self, group, fn, fallback):
             try:
@@ -79,7 +99,7 @@ def make_platform():
                 return super().all_gather_into(out, inp, group, async_op)
             return self._run(
                 group,
-                lambda: comm.all_gather_into_tensor(out, inp, group=group),
+                lambda: _into(out, lambda o: comm.all_gather_into_tensor(o, _c(inp), group=group)),
                 lambda: super(KernelsPlatform, self).all_gather_into(out, inp, group, async_op),
             )
 
@@ -88,7 +108,9 @@ def make_platform():
                 return super().reduce_scatter_into(out, inp, op, group, async_op)
             return self._run(
                 group,
-                lambda: comm.reduce_scatter_tensor(out, inp, op, group=group),
+                lambda: _into(
+                    out, lambda o: comm.reduce_scatter_tensor(o, _c(inp), op, group=group)
+                ),
                 lambda: super(KernelsPlatform, self).reduce_scatter_into(
                     out, inp, op, group, async_op
                 ),
@@ -101,7 +123,7 @@ def make_platform():
                 return super().all_reduce(t, op, group, async_op)
             return self._run(
                 group,
-                lambda: comm.all_reduce(t, op, group=group),
+                lambda: _into(t, lambda o: comm.all_reduce(_copy_of(o, t), op, group=group)),
                 lambda: super(KernelsPlatform, self).all_reduce(t, op, group, async_op),
             )
 
@@ -110,7 +132,12 @@ def make_platform():
                 return super().all_to_all(out, inp, out_splits, in_splits, group, async_op)
             return self._run(
                 group,
-                lambda: comm.all_to_all_single(out, inp, out_splits, in_splits, group=group),
+                lambda: _into(
+                    out,
+                    lambda o: comm.all_to_all_single(
+                        o, _c(inp), out_splits, in_splits, group=group
+                    ),
+                ),
                 lambda: super(KernelsPlatform, self).all_to_all(
                     out, inp, out_splits, in_splits, group, async_op
                 ),
