@@ -285,6 +285,32 @@ class _Call:
             )
         return mem.buffer_addr(peer) + desc[_D_SYMOFF]
 
+    def stage(self, mem: SymmetricMemory, ptr: int, nbytes: int) -> None:
+        """Copy this rank's input into its slot, unless peers read it where it is (in place
+        from symmetric memory, or by cross-process reads)."""
+        if not (self.ws.cma or self.sym is not None):
+            self.c.copy(mem.buffer_addr(self.rank), ptr, nbytes, _threads())
+
+    def fetch(
+        self, peer: int, desc: list[int], dst: int, offset: int, nbytes: int, own: int
+    ) -> None:
+        """Copy ``nbytes`` at byte ``offset`` of ``peer``'s input into ``dst``, by the cheapest
+        path: this rank's own input (``own``), the peer's symmetric allocation in place, a
+        cross-process read, or the peer's slot."""
+        if nbytes == 0:
+            return
+        if peer == self.rank:
+            if dst != own + offset:  # in place (input is output's own slot): nothing to do
+                self.c.copy(dst, own + offset, nbytes, _threads())
+            return
+        shared = self.peer_symmetric(desc, peer)
+        if shared is not None:
+            self.c.copy(dst, shared + offset, nbytes, _threads())
+        elif self.ws.cma:
+            self.read_peer(peer, dst, desc[_D_ADDR] + offset, nbytes)
+        else:
+            self.c.copy(dst, self.slot(peer) + offset, nbytes, _threads())
+
     def read_peer(self, peer: int, local: int, remote: int, nbytes: int) -> None:
         """One copy of ``nbytes`` at ``remote`` in ``peer``'s memory into ``local``."""
         if nbytes == 0:
@@ -364,14 +390,7 @@ def all_gather_into_tensor(
         sym=sym,
         error=error,
     )
-    c = call.c
-    descs = call.start(
-        lambda mem: (
-            None
-            if (ws.cma or sym)
-            else c.copy(mem.buffer_addr(call.rank), input.data_ptr(), n * es, _threads())
-        )
-    )
+    descs = call.start(lambda mem: call.stage(mem, input.data_ptr(), n * es))
     if any(d[_D_NIN] != n for d in descs):
         call.finish()
         raise _sizes_error("all_gather_into_tensor", descs, _D_NIN, "input.numel()")
@@ -379,17 +398,7 @@ def all_gather_into_tensor(
     try:  # a failing read still meets the others at the closing barrier
         for i in range(call.world):
             r = (call.rank + i) % call.world
-            dst = base + r * n * es
-            shared = call.peer_symmetric(descs[r], r)
-            if r == call.rank:
-                if dst != input.data_ptr():  # in place (input is output's own slot): nothing to do
-                    c.copy(dst, input.data_ptr(), n * es, _threads())
-            elif shared is not None:
-                c.copy(dst, shared, n * es, _threads())
-            elif ws.cma:
-                call.read_peer(r, dst, descs[r][_D_ADDR], n * es)
-            else:
-                c.copy(dst, call.slot(r), n * es, _threads())
+            call.fetch(r, descs[r], base + r * n * es, 0, n * es, input.data_ptr())
     finally:
         call.finish()
     return output
@@ -473,14 +482,7 @@ def all_to_all_single(
         sym=sym,
         error=error,
     )
-    c = call.c
-    descs = call.start(
-        lambda mem: (
-            None
-            if (ws.cma or sym)
-            else c.copy(mem.buffer_addr(call.rank), input.data_ptr(), nbytes, _threads())
-        )
-    )
+    descs = call.start(lambda mem: call.stage(mem, input.data_ptr(), nbytes))
     me = call.rank
     problems = []  # checked over every pair, so every rank raises the same error
     for p, d in enumerate(descs):
@@ -506,19 +508,9 @@ def all_to_all_single(
     try:  # a failing read still meets the others at the closing barrier
         for i in range(world):
             p = (me + i) % world
-            d = descs[p]
-            src = sum(d[_HEAD : _HEAD + me]) * row_bytes
+            src = sum(descs[p][_HEAD : _HEAD + me]) * row_bytes
             dst = out_base + out_offsets[p] * row_bytes
-            size = s_out[p] * row_bytes
-            shared = call.peer_symmetric(d, p)
-            if p == me:
-                c.copy(dst, input.data_ptr() + src, size, _threads())
-            elif shared is not None:
-                c.copy(dst, shared + src, size, _threads())
-            elif ws.cma:
-                call.read_peer(p, dst, d[_D_ADDR] + src, size)
-            else:
-                c.copy(dst, call.slot(p) + src, size, _threads())
+            call.fetch(p, descs[p], dst, src, s_out[p] * row_bytes, input.data_ptr())
     finally:
         call.finish()
     return output
