@@ -201,13 +201,6 @@ class SymmetricMemory:
         self._check_slot(slot)
         self._c.add_u64(self._flag_addr(peer, self.rank, slot), 1)
 
-    def signal_addr(self, peer: int, slot: int = 0) -> tuple[int, int]:
-        """(address, value) that a native thread stores to signal ``peer`` once: the same effect
-        as :meth:`signal`, for work finished off the Python thread."""
-        self._check_peer(peer, "peer")
-        addr = self._flag_addr(peer, self.rank, slot)
-        return addr, self._c.load_u64(addr) + 1
-
     def wait(self, peer: int, slot: int = 0, timeout: float | None = None) -> None:
         """Wait for ``peer``'s next :meth:`signal` on ``slot`` (signals are counted)."""
         self._check_peer(peer, "peer")
