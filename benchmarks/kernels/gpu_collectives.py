@@ -70,6 +70,16 @@ def _time(fn, iters):
     return float(t)
 
 
+def init_gpu():
+    """Under torchrun: this rank's GPU and an NCCL group; returns (world, rank, device)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    return dist.get_world_size(), dist.get_rank(), dev
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256], help="MiB")
@@ -77,12 +87,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dev = torch.device("cuda", local)
+    world, rank, dev = init_gpu()
     rows = []
     for mib in args.sizes:
         for op in args.ops:

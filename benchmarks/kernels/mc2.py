@@ -11,13 +11,11 @@ Targets: >= 1.15x unfused and >= 1.0x PyTorch's fused ops.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import warnings
 
 import torch
 import torch.distributed as dist
-from gpu_collectives import _time  # noqa: E402  (same folder)
+from gpu_collectives import _time, init_gpu  # noqa: E402  (same folder)
 
 
 def main():
@@ -28,12 +26,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dev = torch.device("cuda", local)
+    world, rank, dev = init_gpu()
     group = dist.group.WORLD
     import torch.distributed._symmetric_memory as symm
 

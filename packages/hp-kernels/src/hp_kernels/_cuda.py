@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import _dtypes
 from ._ext import load
+from .comm import _chunks
 
 _BARRIER_MS = 60_000
 _META = 4096  # bytes at the start of each buffer for split sizes
@@ -59,7 +60,6 @@ class _GpuWorkspace:
         self.hdl = None
         self.side = torch.cuda.Stream(device=device)
         self.streams = [torch.cuda.Stream(device=device) for _ in range(_STREAMS)]
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
         self.last: torch.cuda.Event | None = None  # the end of the previous call on any stream
 
     def enter(self) -> None:
@@ -89,7 +89,6 @@ class _GpuWorkspace:
         torch.cuda.synchronize(self.device)  # no stream may still use the old buffer
         self.buf = symm.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm.rendezvous(self.buf, name)
-        self._views = {}
         self._peers = [
             self.buf if r == self.rank else self.hdl.get_buffer(r, (size,), torch.uint8, 0)
             for r in range(self.world)
@@ -138,7 +137,6 @@ class CudaSymmetricMemory:
             for r in range(self.world_size)
         ]
         self.buffer = self.peer(self.rank)
-        self.pids = []
         _cuda_live.append(self)
 
     def peer_bytes(self, rank: int) -> torch.Tensor:
@@ -500,13 +498,7 @@ def all_reduce(tensor, op="sum", *, group=None, wire_dtype=None):
     ws.ensure(2 * n * wes)
     flat = tensor.reshape(-1)
     me = ws.rank
-    base, extra = divmod(n, ws.world)
-    bounds = []
-    start = 0
-    for r in range(ws.world):
-        size = base + (1 if r < extra else 0)
-        bounds.append((start, size))
-        start += size
+    bounds = _chunks(n, ws.world)
     _stage_others(ws, flat, wire, bounds)
     ws.barrier()
     s, m = bounds[me]

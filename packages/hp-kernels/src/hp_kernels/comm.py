@@ -60,7 +60,7 @@ _OP_NAMES = {v: k for k, v in _OPS.items()}
     _D_ADDR,
     _D_SYM,
     _D_SYMOFF,
-    _D_EXTRA,
+    _D_OPARG,  # op-specific, unused so far
     _D_ERR,
 ) = range(14)
 _HEAD = 16
@@ -150,7 +150,6 @@ class _Call:
         wire: torch.dtype | None = None,
         rop: int = 0,
         row: int = 0,
-        extra: int = 0,
         addr: int = 0,
         sym: tuple[SymmetricMemory, int] | None = None,
         splits_in: list[int] | None = None,
@@ -168,7 +167,7 @@ class _Call:
         desc[_D_NIN], desc[_D_NOUT] = n_in, n_out
         desc[_D_WIRE] = -1 if wire is None else _dtypes.CODES[wire]
         desc[_D_ROP], desc[_D_NEED], desc[_D_SEQ] = rop, need, self.ws.seq
-        desc[_D_ROW], desc[_D_ADDR], desc[_D_EXTRA] = row, addr, extra
+        desc[_D_ROW], desc[_D_ADDR] = row, addr
         self.sym = sym
         if sym is not None:
             desc[_D_SYM], desc[_D_SYMOFF] = sym[0].uid, sym[1]
@@ -342,9 +341,14 @@ def _tensors(name: str, **tensors: object) -> None:
             raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _same_dtype(name: str, a: torch.Tensor, b: torch.Tensor, an: str, bn: str) -> None:
-    if a.dtype != b.dtype:
-        raise TypeError(f"{name}: {an} has dtype {a.dtype} but {bn} has {b.dtype}; they must match")
+def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Both contiguous CPU tensors of one dtype (the local checks every collective makes)."""
+    _require_contiguous(input, "input")
+    _require_contiguous(output, "output")
+    if output.dtype != input.dtype:
+        raise TypeError(
+            f"{name}: output has dtype {output.dtype} but input has {input.dtype}; they must match"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,9 +371,7 @@ def all_gather_into_tensor(
     ws = _workspace(group)  # with single-copy reads the slot holds no data
     error = None
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
-        _require_contiguous(input, "input")
-        _require_contiguous(output, "output")
-        _same_dtype("all_gather_into_tensor", output, input, "output", "input")
+        _check_pair("all_gather_into_tensor", output, input)
         if output.numel() != ws.world * n:
             raise ValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
@@ -449,9 +451,7 @@ def all_to_all_single(
     error = None
     row, s_in, s_out = 0, [0] * world, [0] * world
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
-        _require_contiguous(input, "input")
-        _require_contiguous(output, "output")
-        _same_dtype("all_to_all_single", output, input, "output", "input")
+        _check_pair("all_to_all_single", output, input)
         if input.dim() == 0 or output.dim() == 0:
             raise ValueError("all_to_all_single: input and output need at least one dimension")
         row = math.prod(input.shape[1:])
@@ -559,9 +559,7 @@ def reduce_scatter_tensor(
     n_out = output.numel()
     error, rop, wire = None, 0, input.dtype
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
-        _require_contiguous(input, "input")
-        _require_contiguous(output, "output")
-        _same_dtype("reduce_scatter_tensor", output, input, "output", "input")
+        _check_pair("reduce_scatter_tensor", output, input)
         rop, wire = _reduce_args("reduce_scatter_tensor", op, input.dtype, wire_dtype)
         if input.numel() != ws.world * n_out:
             raise ValueError(

@@ -10,6 +10,7 @@ then sums the partials meant for it, accumulating in float32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -189,9 +190,7 @@ def matmul_reduce_scatter(
     chunk = out_shape[dim] // world
     chunk_shape = list(out_shape)
     chunk_shape[dim] = chunk
-    chunk_numel = 1
-    for s in chunk_shape:
-        chunk_numel *= s
+    chunk_numel = math.prod(chunk_shape)
     es = x.element_size()
     code = _dtypes.CODES.get(x.dtype, -1)
     call = _Call(

@@ -34,11 +34,22 @@ import torch.distributed as dist
 
 from ._ext import load
 
-__all__ = ["PeerError", "SymmetricMemory", "default_timeout", "empty", "find"]
+__all__ = [
+    "HostSpanError",
+    "PeerError",
+    "SymmetricMemory",
+    "default_timeout",
+    "empty",
+    "find",
+]
 
 NUM_SLOTS = 4  # signal slots per (peer, rank) pair
 _ALIGN = 4096
 _counter = itertools.count()
+
+
+class HostSpanError(ValueError):
+    """The group's ranks are on more than one host (raised on every rank alike)."""
 
 
 class PeerError(RuntimeError):
@@ -416,7 +427,7 @@ def _check_agreement(everyone: list, shape: tuple[int, ...], dtype: torch.dtype)
         hosts.setdefault(entry[0], []).append(r)
     if len(hosts) > 1:
         where = "; ".join(f"{h.split('/')[0]}: ranks {r}" for h, r in hosts.items())
-        raise ValueError(
+        raise HostSpanError(
             f"group spans more than one host ({where}): symmetric memory joins the ranks of one "
             "host only; pass a group per host (e.g. the intra-node dimension of a DeviceMesh)"
         )

@@ -64,6 +64,7 @@ def enable() -> None:
 def make_platform():
     """Build the platform: a subclass of hp_dtensor's torch platform (called by hp_dtensor)."""
     from hp_kernels import comm
+    from hp_kernels.symm_mem import HostSpanError
 
     base = hp_dtensor.platform_class("torch")
 
@@ -85,9 +86,7 @@ def make_platform():
         def _run(self, group, fn, fallback):
             try:
                 fn()
-            except ValueError as exc:
-                if "more than one host" not in str(exc):
-                    raise
+            except HostSpanError:
                 # every rank of the group got the same answer: all fall back together
                 self._multi_host.add(id(group if group is not None else dist.group.WORLD))
                 return fallback()
