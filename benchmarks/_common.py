@@ -116,3 +116,26 @@ def _collect(q, procs, timeout_s: float = 900.0) -> dict:
                 msg = f"benchmark ranks {dead or 'timed out'} failed; see above"
                 raise SystemExit(msg) from None
     return results
+
+
+def profile_tables(args, rank: int, name: str, fn, *, trace: bool = False) -> None:
+    """Profile one call of ``fn`` and write, on rank 0, the top operators by self CPU and GPU
+    time to ``{args.profile}/{name}.txt``; with ``trace`` also every rank's Chrome trace
+    (``{name}_rank{rank}.json.gz``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    if trace:
+        os.makedirs(args.profile, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.profile, f"{name}_rank{rank}.json.gz"))
+    if rank == 0:
+        os.makedirs(args.profile, exist_ok=True)
+        with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                if key == "self_device_time_total" and args.device != "cuda":
+                    continue
+                f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")

@@ -30,6 +30,7 @@ from _common import (  # noqa: E402
     init_rank,
     launch,
     model_config,
+    profile_tables,
 )
 
 
@@ -85,28 +86,36 @@ def _run(rank, world, args, path, queue):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
 
     def sync():
         if args.device == "cuda":
             torch.cuda.synchronize()
 
     times = {k: [] for k in runs}
-    peak = {}
+    peak = dict.fromkeys(runs, 0.0)
+    losses = {}
     for _ in range(args.warmup):
         for k in runs:
             step(*runs[k])
-    for k in runs:
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(args.repeats):
+    # repeats alternate between the two, so drift in clocks or neighbours hits both alike
+    for _ in range(args.repeats):
+        for k in runs:
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
             for _ in range(args.iters):
-                step(*runs[k])
+                losses[k] = step(*runs[k])
             sync()
             times[k].append((time.perf_counter() - t0) / args.iters)
-        peak[k] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    res = {k: (statistics.median(v), peak[k]) for k, v in times.items()}
+            if args.device == "cuda":
+                peak[k] = max(peak[k], torch.cuda.max_memory_allocated() / 2**30)
+    if args.profile:
+        for k in runs:
+            profile_tables(args, rank, f"fsdp_{k}", lambda k=k: step(*runs[k]), trace=args.trace)
+    # same init, data and step count: the last losses agree (to bf16 noise with --bf16)
+    res = {k: (statistics.median(v), peak[k], float(losses[k])) for k, v in times.items()}
     finish(rank, world, args, res, queue, _report)
 
 
@@ -123,6 +132,8 @@ def _report(args, world, results):
     print(f"{'impl':8s} {'ms/step':>9s} {'tokens/s/rank':>14s} {'peak GiB':>9s}")
     for k in ("torch", "ours"):
         print(f"{k:8s} {med[k] * 1e3:9.2f} {tokens / med[k]:14.0f} {peak[k]:9.2f}")
+    loss = {k: results[0][k][2] for k in ("ours", "torch")}
+    print(f"last loss (rank 0): ours {loss['ours']:.6f}, FSDP2 {loss['torch']:.6f}")
     print(f"throughput ratio ours/FSDP2: {med['torch'] / med['ours']:.3f} (target >= 1.0)")
 
 
@@ -134,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy for both")
     add_timing_args(ap, repeats=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", default="", help="folder for torch.profiler tables (rank 0)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: Chrome traces too")
     args = ap.parse_args(argv)
     return launch(_run, _report, args, world=2)
 

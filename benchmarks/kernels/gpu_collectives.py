@@ -21,7 +21,8 @@ OPS = ["all_gather", "all_to_all", "reduce_scatter", "all_reduce"]
 
 
 def _calls(op, mib, world, dev):
-    """(ours, ours with the input in symmetric memory or None, NCCL)."""
+    """(ours, ours with the input in symmetric memory or None, ours writing into an output in
+    symmetric memory or None, NCCL)."""
     from hp_kernels import comm, symm_mem
 
     n = mib * (1 << 20) // 2
@@ -34,15 +35,18 @@ def _calls(op, mib, world, dev):
         return (
             lambda: comm.all_gather_into_tensor(out, x),
             lambda: comm.all_gather_into_tensor(out, xs),
+            None,
             lambda: dist.all_gather_into_tensor(out, x),
         )
     if op == "all_to_all":
         x, out = torch.randn(n, device=dev).to(bf), torch.empty(n, device=dev, dtype=bf)
         xs = symm_mem.empty(x.shape, bf, device=dev).buffer
         xs.copy_(x)
+        outs = symm_mem.empty(out.shape, bf, device=dev).buffer
         return (
             lambda: comm.all_to_all_single(out, x),
             lambda: comm.all_to_all_single(out, xs),
+            lambda: comm.all_to_all_single(outs, x),
             lambda: dist.all_to_all_single(out, x),
         )
     if op == "reduce_scatter":
@@ -50,10 +54,11 @@ def _calls(op, mib, world, dev):
         return (
             lambda: comm.reduce_scatter_tensor(out, x),
             None,
+            None,
             lambda: dist.reduce_scatter_tensor(out, x),
         )
     x = torch.randn(n, device=dev).to(bf)
-    return lambda: comm.all_reduce(x), None, lambda: dist.all_reduce(x)
+    return lambda: comm.all_reduce(x), None, None, lambda: dist.all_reduce(x)
 
 
 def _time(fn, iters):
@@ -91,7 +96,7 @@ def main():
     rows = []
     for mib in args.sizes:
         for op in args.ops:
-            fns = dict(zip(("hp", "sym", "nccl"), _calls(op, mib, world, dev)))
+            fns = dict(zip(("hp", "sym", "push", "nccl"), _calls(op, mib, world, dev)))
             fns = {k: f for k, f in fns.items() if f is not None}
             for _ in range(3):
                 for fn in fns.values():
@@ -111,20 +116,22 @@ def main():
         print(
             f"hp_kernels.comm vs NCCL, {world} x {torch.cuda.get_device_name()}, bf16, GPU time, "
             f"median of {args.repeats} x {args.iters} calls; busbw as nccl-tests; sym: the input "
-            "already in symmetric memory (read in place)"
+            "already in symmetric memory (read in place); push: the output in symmetric memory "
+            "(peers write into it)"
         )
         print(
             f"{'op':<16}{'MiB':>5}{'hp us':>9}{'sym us':>9}{'nccl us':>9}{'hp busbw':>10}"
-            f"{'nccl bw':>9}{'hp/nccl':>9}{'sym/nccl':>9}"
+            f"{'nccl bw':>9}{'hp/nccl':>9}{'sym/nccl':>9}{'push us':>9}{'push/nccl':>10}"
         )
         for op, mib, t in rows:
             size = mib * (1 << 20) * (world if op == "reduce_scatter" else 1)
-            hp, nc, sym = t["hp"], t["nccl"], t.get("sym")
+            hp, nc, sym, push = t["hp"], t["nccl"], t.get("sym"), t.get("push")
             bw = lambda v, size=size, op=op: size * factor[op] / v / 1e9  # noqa: E731
             print(
                 f"{op:<16}{mib:>5}{hp * 1e6:>9.1f}{(f'{sym * 1e6:.1f}' if sym else '-'):>9}"
                 f"{nc * 1e6:>9.1f}{bw(hp):>10.1f}{bw(nc):>9.1f}{nc / hp:>8.2f}x"
                 + (f"{nc / sym:>8.2f}x" if sym else f"{'-':>9}")
+                + (f"{push * 1e6:>9.1f}{nc / push:>9.2f}x" if push else f"{'-':>9}{'-':>10}")
             )
     dist.barrier()
     dist.destroy_process_group()

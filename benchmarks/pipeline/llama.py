@@ -15,6 +15,7 @@ bubble (one extra step with a recorded timeline, mean over ranks).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -33,6 +34,7 @@ from _common import (  # noqa: E402
     init_rank,
     launch,
     model_config,
+    profile_tables,
 )
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -129,40 +131,24 @@ def _run(rank, world, args, path, queue):
                 if cuda:
                     peak[k] = max(peak[k], torch.cuda.max_memory_allocated() / 2**30)
         if args.profile:
-            _profile(args, rank, name, runs, step)
+            for k in runs:
+                profile_tables(args, rank, f"{name}_{k}", functools.partial(step, k))
         sched = runs["ours"][0]
         sync()
         sched.record_timeline = True
         step("ours")
         sched.record_timeline = False
         bubble = sched.bubble_fraction()
-        if args.trace and rank == 0:
-            hpp.to_chrome_trace(sched.timeline, os.path.join(args.trace, f"{name}_rank0.json"))
+        if args.trace:  # every rank's own timeline
+            os.makedirs(args.trace, exist_ok=True)
+            path = os.path.join(args.trace, f"{name}_rank{rank}.json")
+            hpp.to_chrome_trace(sched.timeline, path)
         results[name] = {k: (statistics.median(times[k]), peak[k]) for k in runs}
         results[name]["bubble"] = bubble
         del runs, sched, step
         if cuda:
             torch.cuda.empty_cache()
     finish(rank, world, args, results, queue, _report)
-
-
-def _profile(args, rank, name, runs, step):
-    """One profiled step of each implementation: the top operators by self CPU and GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    for k in runs:
-        with profile(activities=acts) as prof:
-            step(k)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-        if rank == 0:
-            path = os.path.join(args.profile, f"{name}_{k}.txt")
-            with open(path, "w") as f:
-                for key in ("self_cpu_time_total", "self_device_time_total"):
-                    if key == "self_device_time_total" and args.device != "cuda":
-                        continue
-                    f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
 
 
 def _report(args, world, results):

@@ -65,14 +65,28 @@ class CPUOffloadPolicy:
     pin_memory: bool = True
 
 
+class _UnshardHandle:
+    """What ``HSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Wait for the all-gather and copy the parameters out of the flat buffer."""
+        self._group.wait_unshard()
+
+
 class HSDPModule:
     """Mixin the module of a ``fully_shard`` call becomes an instance of."""
 
     _hp_fsdp: ParamGroup
 
     def unshard(self, async_op: bool = False):
-        """All-gather this group's parameters now (e.g. to prefetch)."""
-        self._hp_fsdp.unshard()
+        """All-gather this group's parameters now (e.g. to prefetch). With ``async_op`` the
+        all-gather is only started and a handle is returned whose ``wait()`` finishes it (the
+        next forward of the module also does)."""
+        self._hp_fsdp.unshard(async_op=async_op)
+        return _UnshardHandle(self._hp_fsdp) if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and swap the sharded ones back in."""
@@ -88,6 +102,7 @@ class HSDPModule:
         """Free unsharded parameters after forward (gather again in backward) or keep them."""
         for g in _groups(self, recurse):
             g.reshard_after_forward = bool(reshard_after_forward)
+            g.auto_raf = False  # the user's choice, also for the root
             g.raf_k = None  # a later True means the whole group, not the smaller one
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
@@ -154,7 +169,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: CPUOffloadPolicy | None = None,
@@ -166,6 +181,11 @@ def fully_shard(
     ``(replicate, shard)`` means HSDP. ``shard_placement_fn(param)`` may return ``Shard(dim)``
     to shard a parameter on another dim (None: dim 0). Returns ``module``, now also an
     ``HSDPModule``.
+
+    ``reshard_after_forward``: True frees the unsharded parameters after forward and gathers
+    them again in backward; False keeps them; an int k keeps this rank's 1/k and gathers
+    within groups of k ranks in backward; None (default) is True except for the root (the
+    outermost ``fully_shard`` module), which backward needs first (FSDP2's default too).
     Everything is checked before any parameter moves.
 
     Example::
@@ -189,16 +209,20 @@ def fully_shard(
             "(HSDP), e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
         )
     shard_size = mesh.shape[-1]
-    if not isinstance(reshard_after_forward, bool) and (
-        not isinstance(reshard_after_forward, int)
-        or reshard_after_forward < 2
-        or reshard_after_forward >= shard_size
-        or shard_size % reshard_after_forward
+    if (
+        reshard_after_forward is not None
+        and not isinstance(reshard_after_forward, bool)
+        and (
+            not isinstance(reshard_after_forward, int)
+            or reshard_after_forward < 2
+            or reshard_after_forward >= shard_size
+            or shard_size % reshard_after_forward
+        )
     ):
         raise FSDPError(
-            f"reshard_after_forward={reshard_after_forward!r}: give True/False, or an int k that "
-            f"divides the shard group size {shard_size} with 1 < k < {shard_size} (backward then "
-            "gathers within groups of k consecutive ranks, e.g. one node)"
+            f"reshard_after_forward={reshard_after_forward!r}: give None, True/False, or an int k "
+            f"that divides the shard group size {shard_size} with 1 < k < {shard_size} (backward "
+            "then gathers within groups of k consecutive ranks, e.g. one node)"
         )
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
         raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
@@ -292,6 +316,9 @@ def fully_shard(
         dims,
         aliases,
     )
+    for sub in module.modules():  # groups inside this one are no longer roots
+        if sub is not module and isinstance(sub, HSDPModule):
+            sub._hp_fsdp.is_root = False
     module.__class__ = _hsdp_class(type(module))
     module._hp_fsdp = group
     group.register_hooks()

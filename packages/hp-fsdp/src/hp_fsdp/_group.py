@@ -112,6 +112,12 @@ class ParamGroup:
         self.orig_dtype = self.entries[0].sharded.dtype if self.entries else torch.float32
         self.param_dtype = mp.param_dtype or self.orig_dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        # None (the default): reshard after forward unless this is the root group, whose
+        # parameters backward needs first (as FSDP2 does); True/False/int: as given
+        self.auto_raf = reshard_after_forward is None
+        if reshard_after_forward is None:
+            reshard_after_forward = True
+        self.is_root = True  # until fully_shard is applied to a module containing this one
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.sync = True
@@ -133,6 +139,11 @@ class ParamGroup:
             self.raf_group = hp.new_group(ranks[first : first + k])
             self.reshard_after_forward = True
         self.total = sum(e.padded for e in self.entries)  # elements per rank in the flat buffers
+        # NCCL averages inside the collective (as FSDP2 does): no separate pass dividing the
+        # reduced shard afterwards; other libraries (gloo has no AVG) sum and then divide
+        self.avg_in_collective = all(
+            self.platform.group_backend(mesh._groups[d]) == "nccl" for d in range(mesh.ndim)
+        )
         self._rs = None  # a started reduce-scatter: (work, out, send, has-grad mask)
         self._rs_event = None
         self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
@@ -198,11 +209,16 @@ class ParamGroup:
                 work.wait()
 
     # -- all-gather ------------------------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, *, in_pass: bool = False) -> None:
         """All-gather every parameter of the group as one flat buffer (copy-in, one collective,
         copy-out). With ``async_op`` the collective is only started; ``wait_unshard`` (called
         by the next forward/backward of the group) finishes it: that is how prefetching
-        overlaps the next group's all-gather with this group's compute."""
+        overlaps the next group's all-gather with this group's compute.
+
+        ``in_pass``: called by the hooks inside a forward/backward pass whose first
+        all-gather already ordered the all-gather stream after the last update of the sharded
+        parameters (the optimizer step); then the copy-in does not wait for the compute
+        stream again, so all-gathers run ahead of compute, as far as prefetching allows."""
         if self._pf is not None and not self.unsharded:  # resharded to a smaller group
             self._unshard_from_post_forward()
             return
@@ -212,7 +228,8 @@ class ParamGroup:
             return
         dev = self.device
         total = self.total
-        stream = _side_stream(dev, "all_gather")
+        stream = _side_stream(dev, "all_gather", follow=not (in_pass and dev in _AG_ORDERED))
+        _AG_ORDERED.add(dev)
         with _on(stream):
             # copy-in straight into this rank's slot of the output: one cast-copy per parameter
             # and an in-place collective (no separate send buffer, no self-copy); on CUDA this
@@ -377,10 +394,14 @@ class ParamGroup:
         self.module.register_forward_hook(self._post_forward)
 
     def _pre_forward(self, module, args, kwargs):
-        self.unshard()
+        if not torch.is_grad_enabled() or not _FORWARD_ORDER or self in _FORWARD_ORDER:
+            # the first forward of a pass: the sharded parameters may have changed since the
+            # last all-gather (optimizer step), so the next one waits for the compute stream
+            _AG_ORDERED.clear()
+        self.unshard(in_pass=True)
         self.swap_in()
         for g in self.forward_prefetch:
-            g.unshard(async_op=True)
+            g.unshard(async_op=True, in_pass=True)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _tree_map_tensors(
                 lambda t: (
@@ -404,7 +425,9 @@ class ParamGroup:
         self.swap_out()
         if self.raf_k is not None and torch.is_grad_enabled():
             self._keep_post_forward_shard()
-        elif self.reshard_after_forward:
+        elif self.reshard_after_forward and not (
+            self.auto_raf and self.is_root and torch.is_grad_enabled()
+        ):
             self.free_unsharded()
         if torch.is_grad_enabled():
             tensors = [
@@ -424,7 +447,7 @@ class ParamGroup:
     def _pre_backward(self, grad):
         if self._pf is not None:
             self._unshard_from_post_forward()
-        self.unshard()
+        self.unshard(in_pass=True)
         # the module holds its unsharded parameters during its backward, as during forward:
         # activation checkpointing runs the forward again in there
         self.swap_in()
@@ -434,7 +457,7 @@ class ParamGroup:
             k = _FORWARD_ORDER.index(self)
             prefetch = [_FORWARD_ORDER[k - 1]] if k > 0 else []
         for g in prefetch:
-            g.unshard(async_op=True)
+            g.unshard(async_op=True, in_pass=True)
         if not _PENDING:
             Variable._execution_engine.queue_callback(_end_of_backward)
         if self not in _PENDING:
@@ -497,8 +520,9 @@ class ParamGroup:
         # HSDP: the all-reduce of the previous group starts now, overlapping this reduce-scatter
         for g in _LAUNCHED:
             g._launch_allreduce()
+        op = "avg" if self.avg_in_collective else "sum"
         work = self.platform.reduce_scatter_into(
-            out, send, "sum", self.mesh._groups[self.shard_dim], async_op=True
+            out, send, op, self.mesh._groups[self.shard_dim], async_op=True
         )
         return work, out, send, has
 
@@ -513,13 +537,13 @@ class ParamGroup:
         if any(g.dtype != dt or not g.is_contiguous() for g in grads):
             return None
         with torch.no_grad():
-            parts = [g.view(n, e.padded) for g, e in zip(grads, self.entries)]
-            parts.append(torch.ones(n, len(grads), dtype=dt, device=dev))
-            send = torch.cat(parts, dim=1)
+            # one kernel: each gradient's n row-chunks into its column of the (n, total + flags)
+            # buffer, cast to reduce_dtype on the way (FSDP2's copy-in does the same)
+            flags = torch.ones(n * len(grads), dtype=dt, device=dev)
+            send = torch.empty(n, self.total + len(grads), dtype=self.reduce_dtype, device=dev)
+            torch._chunk_cat(grads + [flags], dim=0, num_chunks=n, out=send)
             if self.grad_scale != 1.0:
                 send[:, : -len(grads)].mul_(self.grad_scale)
-            if dt != self.reduce_dtype:
-                send = send.to(self.reduce_dtype)
         for e, g in zip(self.entries, grads):
             if stream is not None:
                 g.record_stream(stream)  # read on the side stream: keep it until then
@@ -573,7 +597,12 @@ class ParamGroup:
         self._rs = (None, out, _send, has)
         if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
             self._ar = (
-                self.platform.all_reduce(out, "sum", self.mesh._groups[self.rep_dim], async_op=True)
+                self.platform.all_reduce(
+                    out,
+                    "avg" if self.avg_in_collective else "sum",
+                    self.mesh._groups[self.rep_dim],
+                    async_op=True,
+                )
                 or True
             )
         else:
@@ -591,10 +620,11 @@ class ParamGroup:
         else:
             has = _mine
         out = out[: self.total]
-        divide = self.n
-        if self.rep_dim is not None:
-            divide *= self.mesh.shape[self.rep_dim]
-        out.div_(divide)
+        if not self.avg_in_collective:
+            divide = self.n
+            if self.rep_dim is not None:
+                divide *= self.mesh.shape[self.rep_dim]
+            out.div_(divide)
         if self.offload is not None and out.device.type != "cpu":
             # one copy of the whole reduced shard to the CPU, then views per parameter
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.offload.pin_memory)
@@ -624,17 +654,21 @@ class ParamGroup:
 
 _TP_DP_MESHES: dict = {}
 _STREAMS: dict = {}
+# devices whose all-gather stream has waited for the compute stream in the current pass (FSDP2
+# likewise orders its all-gather streams once per forward, after the optimizer step)
+_AG_ORDERED: set = set()
 
 
-def _side_stream(dev, kind):
-    """A side stream per (CUDA device, purpose) that first waits for the current stream (its
-    inputs were produced there); None on CPU, where collectives are ordered anyway."""
+def _side_stream(dev, kind, follow: bool = True):
+    """A side stream per (CUDA device, purpose); with ``follow`` it first waits for the current
+    stream (its inputs were produced there). None on CPU, where collectives are ordered anyway."""
     if dev.type != "cuda":
         return None
     s = _STREAMS.get((dev, kind))
     if s is None:
         s = _STREAMS[(dev, kind)] = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
+    if follow:
+        s.wait_stream(torch.cuda.current_stream(dev))
     return s
 
 
@@ -707,6 +741,7 @@ def _end_of_backward() -> None:
     rest = sorted((g for g in _PENDING if g not in started), key=lambda g: -g.index)
     _PENDING.clear()
     _FORWARD_ORDER.clear()
+    _AG_ORDERED.clear()  # the optimizer step comes next
     try:
         for g in started + rest:
             g.post_backward()

@@ -46,7 +46,7 @@ def _run(
     impl="ours",
     steps=10,
     accumulate=1,
-    reshard_after_forward=True,
+    reshard_after_forward=None,
     offload=False,
     shard_dim1=False,
 ):
@@ -151,6 +151,7 @@ def test_cpu_offload_matches_single_device(pool4):
         ((4,), {}),
         ((2, 2), {}),
         ((4,), {"reshard_after_forward": False, "accumulate": 2}),
+        ((4,), {"reshard_after_forward": True}),
         ((4,), {"shard_dim1": "even"}),
         ((4,), {"reshard_after_forward": 2}),
     ],
@@ -160,6 +161,36 @@ def test_same_losses_as_torch_fsdp2(pool4, world_shape, kw):
     theirs = pool4.run(_run, world_shape, "torch", 5, **kw)[0]
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+
+
+def _root_after_forward():
+    """Which groups hold unsharded parameters after forward, per reshard_after_forward."""
+    mesh = hp.init_device_mesh("cpu", (2,))
+    ids, _ = _batch(0, 2)
+    out = {}
+    for raf in (None, True):
+        torch.manual_seed(0)
+        model = TinyLlama()
+        _shard(model, mesh, "ours", reshard_after_forward=raf)
+        loss = model(ids).sum()
+        out[raf] = (model._hp_fsdp.unsharded, [m._hp_fsdp.unsharded for m in model.layers])
+        loss.backward()
+        out[raf, "after backward"] = model._hp_fsdp.unsharded
+        with torch.no_grad():
+            model(ids)
+        out[raf, "no_grad"] = model._hp_fsdp.unsharded
+    return out
+
+
+def test_root_keeps_parameters_after_forward_by_default(pool2):
+    """As FSDP2: with the default (None) the root group, which backward needs first, is not
+    resharded after forward; blocks are; an explicit True reshards the root too; no_grad
+    forwards and the end of backward always reshard."""
+    out = pool2.run(_root_after_forward)[0]
+    assert out[None] == (True, [False, False])
+    assert out[True] == (False, [False, False])
+    for raf in (None, True):
+        assert out[raf, "after backward"] is False and out[raf, "no_grad"] is False
 
 
 def _memory():

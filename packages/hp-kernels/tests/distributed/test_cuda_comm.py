@@ -81,6 +81,36 @@ def test_collectives_match_nccl(gpus):
     assert gpus.run(_collectives_body) == [True, True]
 
 
+def _push_body():
+    """all_to_all into outputs in symmetric memory (peers write into them), even and uneven,
+    twice in a row (the second call must not overwrite an output still being read)."""
+    from hp_kernels import symm_mem
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(3 + rank)
+    out = symm_mem.empty((64, 4), torch.bfloat16, device=dev).buffer
+    for splits in ([[16, 16], [16, 16]], [[3, 5], [0, 7]], [[0, 9], [11, 2]]):
+        out_rows = [splits[i][rank] for i in range(world)]
+        for _ in range(2):
+            x = torch.randn(sum(splits[rank]), 4, generator=g, device=dev).bfloat16()
+            ours = out[: sum(out_rows)]
+            ref = torch.empty_like(ours)
+            if splits[0] == [16, 16]:
+                comm.all_to_all_single(ours, x)
+                dist.all_to_all_single(ref, x)
+            else:
+                comm.all_to_all_single(ours, x, out_rows, splits[rank])
+                dist.all_to_all_single(ref, x, out_rows, splits[rank])
+            assert torch.equal(ours, ref), splits
+    torch.cuda.synchronize()
+    return True
+
+
+def test_all_to_all_into_symmetric_output_matches_nccl(gpus):
+    assert gpus.run(_push_body) == [True, True]
+
+
 def _mc2_body():
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())

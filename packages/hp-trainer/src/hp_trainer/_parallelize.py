@@ -26,7 +26,8 @@ __all__ = [
 class ParallelizeConfig:
     """How to parallelize: ``sequence_parallel`` shards norms' activations along the sequence
     between TP regions (less activation memory, same math); ``param_dtype``/``reduce_dtype`` are
-    FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard``."""
+    FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard`` for the blocks (the
+    root keeps its parameters after forward unless it is False)."""
 
     sequence_parallel: bool = True
     activation_checkpoint: str = "none"  # "none", "full" or "selective" (per block)
@@ -228,7 +229,8 @@ def parallelize_llama(
                 mp_policy=mp,
                 reshard_after_forward=config.reshard_after_forward,
             )
-        fully_shard(
-            model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward
-        )
+        # the root keeps its parameters after forward (backward needs them first), as
+        # torchtitan's root does; False still means "never reshard"
+        root_raf = None if config.reshard_after_forward is True else config.reshard_after_forward
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=root_raf)
     return model
