@@ -356,7 +356,8 @@ def tests_mindspore(session: nox.Session) -> None:
         session.install(*MINDSPORE, *TEST_TOOLS, *pin)
     except CommandFailed:
         session.skip("MindSpore could not be installed here; its backend tests did not run")
-    local = _with_local_deps(["hp-dtensor"])
+    # hp-testing: the framework-parametrized tests run their torch half on gloo ranks too
+    local = _with_local_deps(["hp-dtensor", "hp-testing"])
     session.install("--no-deps", *[a for n in local for a in ("-e", PACKAGES[n].rel)])
     folders = [
         p.relative_to(ROOT).as_posix() for p in sorted(ROOT.glob("packages/*/tests/mindspore"))

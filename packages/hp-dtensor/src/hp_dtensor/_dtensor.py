@@ -129,6 +129,18 @@ class DTensor(torch.Tensor):
             device_mesh = _layout_mesh(device_mesh, local_tensor)
         if device_mesh is None:
             raise PlacementError("device_mesh is required: pass the DeviceMesh the tensor lives on")
+        if _is_mindspore(local_tensor):
+            from ._ms_dtensor import MSDTensor
+
+            return MSDTensor.from_local(
+                local_tensor,
+                device_mesh,
+                placements,
+                run_check=run_check,
+                shape=shape,
+                stride=stride,
+            )
+        _check_torch_mesh(device_mesh, "local_tensor")
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise ShardingError(
                 f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}"
@@ -620,6 +632,22 @@ def _check_from_local(local, mesh, placements):
     return local, tuple(shape)
 
 
+def _is_mindspore(t) -> bool:
+    """A MindSpore tensor, told without importing MindSpore."""
+    if isinstance(t, torch.Tensor):
+        return False
+    return any(c.__module__.startswith("mindspore") for c in type(t).__mro__)
+
+
+def _check_torch_mesh(mesh, what: str) -> None:
+    framework = getattr(mesh, "framework", "torch")
+    if framework != "torch":
+        raise ShardingError(
+            f"{what} is a torch tensor but device_mesh was built for {framework!r}: a mesh "
+            "serves one framework; build a mesh with a torch backend for torch tensors"
+        )
+
+
 def _first_rank_index(mesh, d):
     coord = list(mesh.get_coordinate())
     coord[d] = 0
@@ -679,6 +707,11 @@ def distribute_tensor(
         device_mesh = _layout_mesh(device_mesh, tensor)
     if isinstance(tensor, DTensor):
         raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
+    if _is_mindspore(tensor):
+        from ._ms_dtensor import distribute_tensor as ms_distribute_tensor
+
+        return ms_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    _check_torch_mesh(device_mesh, "tensor")
     placements = normalize_placements(
         placements if placements is not None else (), device_mesh.ndim, tensor.ndim
     )

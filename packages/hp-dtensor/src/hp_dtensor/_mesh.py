@@ -72,6 +72,7 @@ class DeviceMesh:
         "_flat",
         "_children",
         "_device",
+        "_framework",
         "__weakref__",
     )
 
@@ -106,6 +107,7 @@ class DeviceMesh:
         self._ranks = tuple(ranks)
         self._names = names
         platform = get_platform(device_type)
+        self._framework = getattr(platform, "framework", platform.name)
         me = platform.get_rank()
         if me in self._ranks:
             idx = self._ranks.index(me)
@@ -156,6 +158,12 @@ class DeviceMesh:
                 else (_groups.new_group(m._line(d)) if m._coord is not None else None)
             )
         return m
+
+    @property
+    def framework(self) -> str:
+        """The framework whose tensors this mesh holds (``"torch"`` or ``"mindspore"``): the
+        backend chosen when it was built. A mesh serves one framework."""
+        return self._framework
 
     # -- sub-meshes and flattening ----------------------------------------------------------
     def _dim(self, mesh_dim: int | str) -> int:

@@ -235,13 +235,13 @@ def _all_gather(x, o: _Op, group, platform):
     mine = xk.shape[0]
     if mine != step:
         pad = xk.new_zeros((step - mine,) + tuple(xk.shape[1:]))
-        xk = torch.cat([xk, pad], 0)
+        xk = platform.cat([xk, pad], 0)
     xk = xk.contiguous()
     out = xk.new_empty((n * step,) + tuple(xk.shape[1:]))
     platform.all_gather_into(out, xk, group)
     if n * step != size:
         out = out.view((n, step) + tuple(xk.shape[1:]))
-        out = torch.cat([out[i, : chunk_size_and_offset(size, n, i)[0]] for i in range(n)], 0)
+        out = platform.cat([out[i, : chunk_size_and_offset(size, n, i)[0]] for i in range(n)], 0)
     return out.movedim(0, k).contiguous() if k else out
 
 
@@ -259,7 +259,7 @@ def _reduce_scatter(x, o: _Op, group, platform):
     xk = x.movedim(k, 0) if k else x
     if n * step != size:
         pad = xk.new_zeros((n * step - size,) + tuple(xk.shape[1:]))
-        xk = torch.cat([xk, pad], 0)
+        xk = platform.cat([xk, pad], 0)
     xk = xk.contiguous()
     out = xk.new_empty((step,) + tuple(xk.shape[1:]))
     op = o.op
@@ -273,7 +273,7 @@ def _reduce_scatter(x, o: _Op, group, platform):
 
 
 def _all_reduce(x, o: _Op, group, platform):
-    out = x.contiguous().clone()
+    out = platform.clone(x.contiguous())
     platform.all_reduce(out, o.op, group)
     return out
 
@@ -290,7 +290,7 @@ def _all_to_all(x, o: _Op, group, platform):
         piece = x.narrow(j, start, length).contiguous()
         pieces.append(piece.reshape(-1))
         in_splits.append(piece.numel())
-    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    send = platform.cat(pieces, 0) if pieces else x.new_empty(0)
     my_j, _ = chunk_size_and_offset(size_j, n, o.coord)
     out_shapes = []
     out_splits = []
@@ -306,24 +306,22 @@ def _all_to_all(x, o: _Op, group, platform):
         out_splits.append(numel)
     recv = x.new_empty(sum(out_splits))
     platform.all_to_all(recv, send, out_splits, in_splits, group)
-    parts = torch.split(recv, out_splits)
-    return torch.cat([p.view(s) for p, s in zip(parts, out_shapes)], i)
+    parts = recv.split(out_splits)
+    return platform.cat([p.view(tuple(s)) for p, s in zip(parts, out_shapes)], i)
 
 
 def _pad(x, o: _Op, group, platform):
     k = o.src.dim
     size = o.parent[k]
     length, start = chunk_size_and_offset(size, o.n, o.coord)
-    shape = list(x.shape)
-    shape[k] = size
-    out = x.new_zeros(shape)
-    out.narrow(k, start, length).copy_(x)
-    return out
+    before, after = list(x.shape), list(x.shape)
+    before[k], after[k] = start, size - start - length
+    return platform.cat([x.new_zeros(tuple(before)), x, x.new_zeros(tuple(after))], k)
 
 
 def _partition(x, o: _Op, group, platform):
     if o.op == "sum" and o.coord != 0:
-        return torch.zeros_like(x)
+        return x.new_zeros(tuple(x.shape))
     return x
 
 

@@ -98,11 +98,16 @@ class HSDPModule:
         for g in _groups(self, recurse):
             g.sync = bool(requires_gradient_sync)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True):
-        """Free unsharded parameters after forward (gather again in backward) or keep them."""
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | None, *, recurse: bool = True
+    ) -> None:
+        """Free unsharded parameters after forward (gather again in backward) or keep them;
+        None restores the default (free, except the root's)."""
         for g in _groups(self, recurse):
-            g.reshard_after_forward = bool(reshard_after_forward)
-            g.auto_raf = False  # the user's choice, also for the root
+            g.reshard_after_forward = (
+                True if reshard_after_forward is None else bool(reshard_after_forward)
+            )
+            g.auto_raf = reshard_after_forward is None  # else the user's choice, root included
             g.raf_k = None  # a later True means the whole group, not the smaller one
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):

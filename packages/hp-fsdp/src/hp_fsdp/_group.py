@@ -148,6 +148,7 @@ class ParamGroup:
         self._rs_event = None
         self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
         self._fwd_calls = 0  # forward calls (with grad) since the last backward
+        self._kept = False  # the root kept its unsharded parameters after forward
         self._left = 0  # of those, module backwards not yet finished in this backward
         _ALIVE.add(self)
 
@@ -364,6 +365,7 @@ class ParamGroup:
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage (the tensors stay, for autograd to refill later)."""
+        self._kept = False
         for e in self.entries:
             if e.unsharded is not None:
                 _local(e.unsharded).untyped_storage().resize_(0)
@@ -394,10 +396,18 @@ class ParamGroup:
         self.module.register_forward_hook(self._post_forward)
 
     def _pre_forward(self, module, args, kwargs):
-        if not torch.is_grad_enabled() or not _FORWARD_ORDER or self in _FORWARD_ORDER:
-            # the first forward of a pass: the sharded parameters may have changed since the
-            # last all-gather (optimizer step), so the next one waits for the compute stream
+        if (
+            self.is_root
+            or not torch.is_grad_enabled()
+            or not _FORWARD_ORDER
+            or self in _FORWARD_ORDER
+        ):
+            # the first forward of a pass (every root's forward starts one): the sharded
+            # parameters may have changed since the last all-gather (optimizer step, loading),
+            # so the next all-gather waits for the compute stream
             _AG_ORDERED.clear()
+        if self._kept:  # kept after a forward whose backward never came: gather afresh
+            self.free_unsharded()
         self.unshard(in_pass=True)
         self.swap_in()
         for g in self.forward_prefetch:
@@ -423,22 +433,24 @@ class ParamGroup:
 
     def _post_forward(self, module, args, out):
         self.swap_out()
-        if self.raf_k is not None and torch.is_grad_enabled():
-            self._keep_post_forward_shard()
-        elif self.reshard_after_forward and not (
-            self.auto_raf and self.is_root and torch.is_grad_enabled()
-        ):
-            self.free_unsharded()
+        tensors = []
         if torch.is_grad_enabled():
             tensors = [
                 t
                 for t in torch.utils._pytree.tree_leaves(out)
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
+        if self.raf_k is not None and torch.is_grad_enabled():
+            self._keep_post_forward_shard()
+        elif self.reshard_after_forward:
+            if self.auto_raf and self.is_root and tensors:
+                # the root keeps its parameters for the backward that comes next; if none
+                # comes, the next forward drops them first (the sharded ones may have changed)
+                self._kept = True
+            else:
+                self.free_unsharded()
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.mp.output_dtype is not None:
             dt = self.mp.output_dtype
             out = _tree_map_tensors(lambda t: t.to(dt) if t.is_floating_point() else t, out)
@@ -486,6 +498,7 @@ class ParamGroup:
                 self._start_reduce()
             self._finish_reduce()
         self._fwd_calls = 0
+        self._kept = False  # the backward it was kept for has run
         if self.reshard_after_backward:
             self.free_unsharded()
 
@@ -530,7 +543,9 @@ class ParamGroup:
         """The (ranks, total + flags) buffer as one ``cat`` (plus one cast) when every
         parameter has a gradient and is sharded evenly on dim 0; None otherwise."""
         n = self.n
-        if not all(has) or any(e.dim or e.shape[0] != n * e.chunk for e in self.entries):
+        if not all(has) or any(
+            e.dim or e.shape[0] != n * e.chunk or not e.padded for e in self.entries
+        ):  # (_chunk_cat refuses empty tensors)
             return None
         grads = [_local(e.unsharded).grad for e in self.entries]
         dt = grads[0].dtype

@@ -27,7 +27,7 @@ def _batch(step, world, dev):
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def _train(impl, mp, reshard_after_forward=True, with_ref=False):
+def _train(impl, mp, reshard_after_forward=None, with_ref=False):
     import hp_dtensor as hp
     from hp_fsdp import MixedPrecisionPolicy, fully_shard
     from hp_testing.models import TinyLlama
@@ -84,7 +84,7 @@ def _fp32_body(reshard_after_forward):
     _train("ours", mp=False, reshard_after_forward=reshard_after_forward, with_ref=True)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
 def test_fp32_matches_single_gpu(gpus, reshard_after_forward):
     gpus.run(_fp32_body, reshard_after_forward)
 

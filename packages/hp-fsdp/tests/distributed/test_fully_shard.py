@@ -193,6 +193,95 @@ def test_root_keeps_parameters_after_forward_by_default(pool2):
         assert out[raf, "after backward"] is False and out[raf, "no_grad"] is False
 
 
+def _all_gather_ordering():
+    """Which all-gathers first wait for the compute stream (the ``follow`` flag of the side
+    stream; on GPUs the others run ahead of compute). The first all-gather of every forward
+    pass of a root must wait: the optimizer (or a load) may have written the sharded
+    parameters since, even when another model's forward ran in between."""
+    import hp_fsdp._group as grp
+
+    mesh = hp.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    a, b = TinyLlama(), TinyLlama()
+    _shard(a, mesh, "ours")
+    _shard(b, mesh, "ours")
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    ids, _ = _batch(0, 2)
+    seen = []
+    real = grp._side_stream
+
+    def spy(dev, kind, follow=True):
+        seen.append((kind, follow))
+        return real(dev, kind, follow)
+
+    grp._side_stream = spy
+    try:
+        a(ids).sum().backward()
+        b(ids).sum()  # another model's forward (grad mode, no backward) before the step
+        opt.step()
+        seen.clear()
+        a(ids).sum().backward()
+    finally:
+        grp._side_stream = real
+    return [f for k, f in seen if k == "all_gather"]
+
+
+def test_first_all_gather_of_each_root_forward_waits_for_compute(pool2):
+    follows = pool2.run(_all_gather_ordering)[0]
+    assert follows[0] is True, follows  # the root's, right after the optimizer step
+    assert False in follows, follows  # the in-pass ones run ahead
+
+
+def _kept_root_is_refreshed():
+    """The root keeps its parameters after a grad-mode forward; if no backward follows and
+    the sharded parameters change, the next forward must not reuse the stale copy."""
+    mesh = hp.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    ref, model = TinyLlama(), TinyLlama()
+    model.load_state_dict(ref.state_dict())
+    _shard(model, mesh, "ours")
+    ids, _ = _batch(0, 2)
+    model(ids)  # grad mode, no backward: the root stays gathered
+    assert model._hp_fsdp.unsharded
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.to_local().mul_(0.5)
+            q.mul_(0.5)
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-6)
+    assert not model._hp_fsdp.unsharded  # and a no_grad forward reshards the root
+
+
+def test_kept_root_parameters_are_refreshed(pool2):
+    pool2.run(_kept_root_is_refreshed)
+
+
+class _WithEmpty(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def _zero_size_parameter():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    ref, model = _WithEmpty(), _WithEmpty()
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_size_parameter(pool2):
+    pool2.run(_zero_size_parameter)
+
+
 def _memory():
     mesh = hp.init_device_mesh("cpu", (4,))
     torch.manual_seed(0)

@@ -324,7 +324,7 @@ class _Run:
             if st.sharded:
                 st.module.reduce_gradients()
                 st.module.set_requires_gradient_sync(True)
-                st.module.set_reshard_after_forward(True)
+                st.module.set_reshard_after_forward(None)  # fully_shard's default again
                 st.module.set_reshard_after_backward(True)
                 for m in _sharded_modules(st.module):
                     m.reshard()

@@ -30,7 +30,7 @@ class ShardedModule(Protocol):
     def unshard(self, async_op: bool = False): ...  # noqa: D102
     def reshard(self) -> None: ...  # noqa: D102
     def set_requires_gradient_sync(self, flag: bool, *, recurse: bool = True): ...  # noqa: D102
-    def set_reshard_after_forward(self, flag: bool, *, recurse: bool = True): ...  # noqa: D102
+    def set_reshard_after_forward(self, flag: bool | None, *, recurse: bool = True): ...  # noqa: D102
     def set_reshard_after_backward(self, flag: bool, *, recurse: bool = True): ...  # noqa: D102
     def reduce_gradients(self) -> None: ...  # noqa: D102
 

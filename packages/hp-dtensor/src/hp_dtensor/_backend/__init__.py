@@ -32,6 +32,9 @@ class Platform(Protocol):
     """What hp_dtensor needs from a framework. Collectives take a framework process group."""
 
     name: str
+    #: whose tensors the platform's collectives take ("torch", "mindspore"); plugins that
+    #: extend a built-in backend keep its framework
+    framework: str
 
     # devices ----------------------------------------------------------------------------
     def default_device_type(self) -> str:
@@ -79,6 +82,14 @@ class Platform(Protocol):
 
     def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
         """A tensor of zeros."""
+
+    # the few tensor operations redistribution needs beyond the Tensor methods both
+    # frameworks share (shape, reshape, view, narrow, movedim, split, new_zeros, new_empty)
+    def cat(self, tensors: list[Any], dim: int) -> Any:
+        """Concatenate ``tensors`` along ``dim``."""
+
+    def clone(self, t: Any) -> Any:
+        """A copy of ``t`` with its own storage."""
 
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device: Any) -> Any: ...

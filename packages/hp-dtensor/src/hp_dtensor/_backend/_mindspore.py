@@ -53,6 +53,7 @@ class MindSporePlatform:
     """``Platform`` over MindSpore."""
 
     name = "mindspore"
+    framework = "mindspore"
 
     def __init__(self) -> None:
         self._initialized = False
@@ -206,6 +207,15 @@ class MindSporePlatform:
 
     def zeros(self, shape, dtype, device):
         return ops.zeros(tuple(shape), dtype)
+
+    def cat(self, tensors, dim):
+        return ops.cat(list(tensors), dim)
+
+    def clone(self, t):
+        # Tensor.clone has no CPU kernel in MindSpore 2.10 (assign_value would share storage)
+        out = t.new_zeros(t.shape)
+        out.copy_(t)
+        return out
 
     # streams and events: MindSpore orders work itself in PyNative mode ---------------------------
     def new_stream(self, device):

@@ -29,6 +29,7 @@ class TorchPlatform:
     """``Platform`` over torch and torch.distributed."""
 
     name = "torch"
+    framework = "torch"
 
     def __init__(self) -> None:
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -138,6 +139,12 @@ class TorchPlatform:
 
     def zeros(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
+
+    def cat(self, tensors, dim):
+        return torch.cat(tensors, dim)
+
+    def clone(self, t):
+        return t.clone()
 
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device):

@@ -45,7 +45,11 @@ def parallelize_module(
             f"parallelize_plan must be a ParallelStyle or a dict of path -> style, got "
             f"{type(parallelize_plan).__name__}"
         )
-    names = {name: mod for name, mod in module.named_modules() if name}
+    if hasattr(module, "named_modules"):
+        named = module.named_modules()
+    else:  # a MindSpore cell
+        named = module.cells_and_names()
+    names = {name: mod for name, mod in named if name}
     todo: list[tuple[str, nn.Module, ParallelStyle]] = []
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):

@@ -39,6 +39,14 @@ class ParallelStyle:
         """Check, without communicating, that the style fits ``module``; raise otherwise."""
 
 
+def _torch_only(module, style: str, path: str) -> None:
+    if _is_ms_cell(module):
+        raise TypeError(
+            f"{style} on a MindSpore cell ({path or type(module).__name__}) is not supported "
+            "yet: MindSpore cells take ColwiseParallel and RowwiseParallel"
+        )
+
+
 def _one_d(mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
         raise MeshError(
@@ -90,11 +98,20 @@ def _replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
             _distribute_param(module, name, mesh, Replicate())
 
 
+def _is_ms_cell(module) -> bool:
+    """A MindSpore ``nn.Cell``, told without importing MindSpore."""
+    if isinstance(module, nn.Module):
+        return False
+    return any(c.__module__.startswith("mindspore") for c in type(module).__mro__)
+
+
 @dataclass(frozen=True)
 class _Linearish(ParallelStyle):
     input_layouts: Any = None
     output_layouts: Any = None
     use_local_output: bool = True
+
+    _kind = ""  # "colwise" or "rowwise" (for the MindSpore binding)
 
     # (weight placement, bias placement, desired input, default input, default output)
     def _plan(self, module) -> tuple:  # pragma: no cover - overridden
@@ -102,6 +119,16 @@ class _Linearish(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _one_d(device_mesh, type(self).__name__)
+        if _is_ms_cell(module):
+            from ._ms_style import validate_linear_style
+
+            validate_linear_style(self, module, device_mesh, path, self._kind)
+            return
+        if getattr(device_mesh, "framework", "torch") != "torch":
+            raise MeshError(
+                f"{path or type(module).__name__} is a torch module but the mesh was built for "
+                f"{device_mesh.framework!r}: a mesh serves one framework"
+            )
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise TypeError(
                 f"{type(self).__name__} applies to nn.Linear and nn.Embedding; {path!r} is a "
@@ -109,6 +136,10 @@ class _Linearish(ParallelStyle):
             )
 
     def apply(self, module, device_mesh):
+        if _is_ms_cell(module):
+            from ._ms_style import apply_linear_style
+
+            return apply_linear_style(self, module, device_mesh, self._kind)
         self.validate(module, device_mesh, type(module).__name__)
         w_pl, b_pl, desired_in, default_in, default_out = self._plan(module)
         _distribute_param(module, "weight", device_mesh, w_pl)
@@ -138,6 +169,8 @@ class ColwiseParallel(_Linearish):
     local tensor when ``use_local_output``.
     """
 
+    _kind = "colwise"
+
     def _plan(self, module):
         if isinstance(module, nn.Embedding):
             return Shard(1), None, Replicate(), Replicate(), Shard(-1)
@@ -152,6 +185,8 @@ class RowwiseParallel(_Linearish):
     products are partial sums, reduced to ``output_layouts`` (default ``Replicate()``: an
     all-reduce; ``Shard(1)``: a reduce-scatter for sequence parallelism).
     """
+
+    _kind = "rowwise"
 
     def _plan(self, module):
         if isinstance(module, nn.Embedding):
@@ -172,6 +207,7 @@ class SequenceParallel(ParallelStyle):
     use_local_output: bool = False
 
     def validate(self, module, device_mesh, path):
+        _torch_only(module, "SequenceParallel", path)
         _one_d(device_mesh, "SequenceParallel")
 
     def apply(self, module, device_mesh):
@@ -209,6 +245,7 @@ class PrepareModuleInput(ParallelStyle):
     use_local_output: bool = False
 
     def validate(self, module, device_mesh, path):
+        _torch_only(module, "PrepareModuleInput", path)
         _one_d(device_mesh, "PrepareModuleInput")
         ins, des = _tuple(self.input_layouts), _tuple(self.desired_input_layouts)
         if ins is not None and des is not None and len(ins) != len(des):
@@ -253,6 +290,7 @@ class PrepareModuleOutput(ParallelStyle):
     use_local_output: bool = True
 
     def validate(self, module, device_mesh, path):
+        _torch_only(module, "PrepareModuleOutput", path)
         _one_d(device_mesh, "PrepareModuleOutput")
         outs, des = _tuple(self.output_layouts), _tuple(self.desired_output_layouts)
         if outs is not None and des is not None and len(outs) != len(des):

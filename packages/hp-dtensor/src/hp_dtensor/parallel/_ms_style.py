@@ -1,0 +1,135 @@
+"""ColwiseParallel and RowwiseParallel on MindSpore cells (``nn.Dense``; ``nn.Embedding`` for
+ColwiseParallel), applied through ``parallelize_module`` like on torch modules.
+
+MindSpore has no tensor-subclass dispatch, so a style does not turn parameters into DTensors
+that route every op: it keeps this rank's shard as the cell's parameter (a plain MindSpore
+Parameter, so optimizers and ``value_and_grad`` see local tensors), lets the cell compute
+locally, and redistributes at its boundaries with the shared plans (``MSDTensor``), in forward
+hooks:
+
+- Colwise: the input is redistributed from ``input_layouts`` to Replicate and its gradient
+  all-reduced (each rank's local gradient is a partial sum); the local output is Shard(-1),
+  redistributed to ``output_layouts``.
+- Rowwise: the input is redistributed to Shard(-1); the local product is a partial sum,
+  reduced to ``output_layouts`` (all-reduce for Replicate, reduce-scatter for a shard); the
+  bias, kept whole, is added after the reduction (its gradient all-reduced when the output is
+  a shard).
+
+Outputs are always local tensors (``use_local_output=True``): model code on MindSpore works
+on plain tensors.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn
+
+from .._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
+from .._placement import Partial, Replicate, Shard
+from ..errors import PlacementError, ShardingError
+
+__all__ = ["apply_linear_style", "validate_linear_style"]
+
+
+def _split_size(cell, kind: str) -> tuple[str, int]:
+    if isinstance(cell, nn.Embedding):
+        return "embedding_size", cell.embedding_size
+    if kind == "colwise":
+        return "out_channels", cell.out_channels
+    return "in_channels", cell.in_channels
+
+
+def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
+    """Check, without communicating, that ``style`` fits the MindSpore ``cell``."""
+    name = type(style).__name__
+    if getattr(mesh, "framework", None) != "mindspore":
+        raise ShardingError(
+            f"{path or type(cell).__name__} is a MindSpore cell but the mesh was built for "
+            f"{getattr(mesh, 'framework', None)!r}: build it with HP_BACKEND=mindspore"
+        )
+    if not isinstance(cell, (nn.Dense, nn.Embedding)):
+        raise TypeError(
+            f"{name} applies to MindSpore nn.Dense and nn.Embedding; {path!r} is a "
+            f"{type(cell).__name__}"
+        )
+    if kind == "rowwise" and isinstance(cell, nn.Embedding):
+        raise TypeError(
+            f"RowwiseParallel on a MindSpore nn.Embedding ({path!r}) is not supported yet: use "
+            "ColwiseParallel (embedding dim split) for it"
+        )
+    if not style.use_local_output:
+        raise PlacementError(
+            f"{name}(use_local_output=False) on MindSpore: cells take and return plain tensors; "
+            "leave use_local_output=True"
+        )
+    attr, size = _split_size(cell, kind)
+    if size % mesh.size():
+        raise PlacementError(
+            f"{path or type(cell).__name__}.{attr}={size} does not divide by the tensor-parallel "
+            f"degree {mesh.size()}: choose a degree that divides it"
+        )
+    out_pl = style.output_layouts
+    if kind == "rowwise" and cell.has_bias and isinstance(out_pl, Shard) and out_pl.dim in (-1, 1):
+        raise PlacementError(
+            f"RowwiseParallel(output_layouts={out_pl}) on {path!r}: the bias is added whole, so "
+            "the output may be sharded on the sequence (Shard(1) of a (batch, seq, features) "
+            "output) or replicated, not on its features"
+        )
+
+
+def _shard_param(cell, name: str, mesh, placement) -> None:
+    p = getattr(cell, name)
+    local = distribute_tensor(p, mesh, [placement]).to_local().contiguous()
+    setattr(cell, name, ms.Parameter(local, name=p.name, requires_grad=p.requires_grad))
+
+
+def _one(p, default):
+    p = default if p is None else p
+    if isinstance(p, (tuple, list)) and len(p) == 1:
+        p = p[0]
+    return p
+
+
+def apply_linear_style(style, cell, mesh, kind: str):
+    """Shard ``cell``'s parameters in place and register the boundary hooks; returns ``cell``."""
+    validate_linear_style(style, cell, mesh, type(cell).__name__, kind)
+    embedding = isinstance(cell, nn.Embedding)
+    colwise = kind == "colwise"
+    if embedding:
+        _shard_param(cell, "embedding_table", mesh, Shard(1))
+    elif colwise:
+        _shard_param(cell, "weight", mesh, Shard(0))
+        if cell.has_bias:
+            _shard_param(cell, "bias", mesh, Shard(0))
+    else:
+        _shard_param(cell, "weight", mesh, Shard(1))
+    bias = None
+    if not colwise and cell.has_bias:
+        bias = cell.bias
+        cell.has_bias = False  # the cell computes the partial product; the bias comes after
+    in_pl = _one(style.input_layouts, Replicate() if colwise else Shard(-1))
+    out_pl = _one(style.output_layouts, Shard(-1) if colwise else Replicate())
+    desired = Replicate() if colwise else Shard(-1)
+
+    def pre(c, inputs):
+        if embedding:
+            return None  # replicated ids, looked up in the local columns of the table
+        x = MSDTensor.from_local(inputs[0], mesh, [in_pl])
+        x = x.redistribute(mesh, [desired]).to_local()
+        if colwise:
+            x = all_reduce_grad(x, mesh)
+        return (x, *inputs[1:])
+
+    def post(c, inputs, out):
+        if colwise:
+            y = MSDTensor.from_local(out, mesh, [Shard(out.ndim - 1)])
+        else:
+            y = MSDTensor.from_local(out, mesh, [Partial()])
+        y = y.redistribute(mesh, [out_pl]).to_local()
+        if bias is not None:
+            y = y + (all_reduce_grad(bias, mesh) if isinstance(out_pl, Shard) else bias)
+        return y
+
+    cell.register_forward_pre_hook(pre)
+    cell.register_forward_hook(post)
+    return cell

@@ -1,0 +1,372 @@
+"""One test body, two frameworks: every redistribution between Shard(0), Shard(1), Replicate,
+Partial(sum) and Partial(avg) on a 1-D mesh of 2 ranks, forward values and gradients (the
+vector-Jacobian product with a known upstream gradient), and distribute_tensor, against a
+numpy oracle; then the two frameworks' arrays against each other.
+
+The body (``redistribution_body``) is framework-neutral: it gets an adapter that makes tensors
+and takes gradients. Under torch it runs on 2 gloo ranks (hp_testing's pool); under MindSpore
+on 2 CPU workers started by ``msrun`` (skipped where MindSpore is not installed: ``nox -s
+tests_mindspore`` installs it). Values are integers in float32, so every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ms_launch import run_mindspore  # noqa: E402
+
+HAVE_MS = importlib.util.find_spec("mindspore") is not None
+HAVE_POOL = importlib.util.find_spec("hp_testing") is not None
+SHAPE = (5, 7)  # uneven over 2 ranks on both dims
+WORLD = 2
+NAMES = ("S0", "S1", "R", "Psum", "Pavg")
+
+if HAVE_POOL:
+    from hp_testing.pytest_plugin import rank_pool_fixture
+
+    pool2 = rank_pool_fixture(2)
+
+
+def _placement(name):
+    from hp_dtensor import Partial, Replicate, Shard
+
+    return {
+        "S0": Shard(0),
+        "S1": Shard(1),
+        "R": Replicate(),
+        "Psum": Partial("sum"),
+        "Pavg": Partial("avg"),
+    }[name]
+
+
+def _ints(seed, shape=SHAPE):
+    return np.random.default_rng(seed).integers(-8, 9, shape).astype(np.float32)
+
+
+def _chunk(x, dim, rank, world=WORLD):
+    size = x.shape[dim]
+    step = -(-size // world)
+    lo = min(rank * step, size)
+    return np.take(x, range(lo, min(lo + step, size)), axis=dim)
+
+
+def _local(x, name, rank, noise):
+    """This rank's piece of ``x`` under placement ``name`` (Partial: an uneven decomposition)."""
+    if name in ("S0", "S1"):
+        return _chunk(x, int(name[1]), rank)
+    if name == "Psum":
+        return x - (WORLD - 1) * noise if rank == 0 else noise
+    if name == "Pavg":
+        return x + noise * (2 * rank - (WORLD - 1))
+    return x
+
+
+def _grad_local(g, name, rank):
+    """The local gradient that represents the global gradient ``g`` under placement ``name``
+    (NOTE [Gradient representation] in hp_dtensor._redistribute)."""
+    if name in ("S0", "S1"):
+        return _chunk(g, int(name[1]), rank)
+    return g / WORLD if name == "Pavg" else g
+
+
+class _Torch:
+    name = "torch"
+
+    @staticmethod
+    def tensor(a):
+        import torch
+
+        return torch.tensor(a)
+
+    @staticmethod
+    def vjp(f, x, dy):
+        import torch
+
+        xt = torch.tensor(x, requires_grad=True)
+        y = f(xt)
+        y.backward(torch.tensor(dy))
+        return y.detach().numpy(), xt.grad.numpy()
+
+
+class _MindSpore:
+    name = "mindspore"
+
+    @staticmethod
+    def tensor(a):
+        import mindspore as ms
+
+        return ms.Tensor(a)
+
+    @staticmethod
+    def vjp(f, x, dy):
+        import mindspore as ms
+
+        xt, dyt = ms.Tensor(x), ms.Tensor(dy)
+        y = f(xt)
+        dx = ms.grad(lambda v: (f(v) * dyt).sum())(xt)
+        return y.asnumpy(), dx.asnumpy()
+
+
+def redistribution_body(framework: str):
+    """Every (src, dst) pair: ("ok", y_local, dx_local) or ("refused", error type)."""
+    import hp_dtensor as hp
+
+    fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
+    mesh = hp.init_device_mesh("cpu", (WORLD,))
+    assert mesh.framework == framework, (mesh.framework, framework)
+    rank = mesh.get_coordinate()[0]
+    x, noise, g = _ints(1), _ints(2), _ints(3)
+    out = {}
+    for s in NAMES:
+        for d in NAMES:
+            if s == d:
+                continue
+            src, dst = _placement(s), _placement(d)
+
+            def f(v, src=src, dst=dst):
+                dt = hp.DTensor.from_local(v, mesh, [src], shape=SHAPE)
+                return dt.redistribute(mesh, [dst]).to_local()
+
+            # the upstream gradient as the output's local gradient: a chunk of g for a shard,
+            # the whole g for replicated and partial outputs
+            dy = _chunk(g, int(d[1]), rank) if d in ("S0", "S1") else g
+            try:
+                out[s, d] = ("ok", *fw.vjp(f, _local(x, s, rank, noise), dy))
+            except hp.HPDTensorError as e:
+                out[s, d] = ("refused", type(e).__name__)
+    for p in ("S0", "S1", "R"):
+        dt = hp.distribute_tensor(fw.tensor(x), mesh, [_placement(p)])
+        out["distribute", p] = ("ok", _to_numpy(dt.to_local()), tuple(dt.shape))
+        out["full_tensor", p] = ("ok", _to_numpy(dt.full_tensor()), None)
+    out["mixed"] = _mixed_refusal(hp, mesh, framework)
+    return out
+
+
+# -- the Llama-style block with TP=2 -----------------------------------------------------------
+B, S, DIM, HEADS, KV, HIDDEN = 2, 8, 24, 4, 2, 42
+COLWISE = ("wq", "wk", "wv", "w1", "w3")  # output features split: weight rows
+ROWWISE = ("wo", "w2")  # input features split: weight columns
+
+
+def _block_arrays():
+    """Weights (by parameter name), input, RoPE tables and upstream gradient, from seeds."""
+    rng = np.random.default_rng(7)
+    hd = DIM // HEADS
+    shapes = {"attention_norm.weight": (DIM,), "ffn_norm.weight": (DIM,), "w2.bias": (DIM,)}
+    shapes.update({f"{n}.weight": (HEADS * hd, DIM) for n in ("wq",)})
+    shapes.update({f"{n}.weight": (KV * hd, DIM) for n in ("wk", "wv")})
+    shapes.update({"wo.weight": (DIM, HEADS * hd), "w2.weight": (DIM, HIDDEN)})
+    shapes.update({f"{n}.weight": (HIDDEN, DIM) for n in ("w1", "w3")})
+    w = {}
+    for name, shape in sorted(shapes.items()):
+        a = rng.standard_normal(shape).astype(np.float32)
+        w[name] = (1 + 0.1 * a) if name.endswith("norm.weight") else 0.2 * a
+    inv = 1.0 / 10000 ** (np.arange(0, hd, 2, dtype=np.float32) / hd)
+    ang = np.outer(np.arange(S, dtype=np.float32), inv)
+    ang = np.concatenate([ang, ang], -1)[None, :, None, :]
+    x = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    g = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    return w, x, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), g
+
+
+def _torch_block(w, x, cos, sin, g, mesh=None, plan=None):
+    import torch
+
+    from hp_dtensor.parallel import parallelize_module
+    from hp_testing.models import Block
+
+    block = Block(DIM, HEADS, KV, HIDDEN)
+    block.load_state_dict({k: torch.tensor(v) for k, v in w.items()})
+    if plan is not None:
+        parallelize_module(block, mesh, plan)
+    xt = torch.tensor(x, requires_grad=True)
+    out = block(xt, torch.tensor(cos), torch.tensor(sin))
+    (out * torch.tensor(g)).sum().backward()
+    grads = {}
+    for name, p in block.named_parameters():
+        gr = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads[name] = gr.numpy()
+    return out.detach().numpy(), grads, xt.grad.numpy()
+
+
+def _ms_block(w, x, cos, sin, g, mesh=None, plan=None):
+    import mindspore as ms
+    from ms_llama import Block
+
+    from hp_dtensor.parallel import parallelize_module
+
+    block = Block(DIM, HEADS, KV, HIDDEN)
+    for name, p in block.parameters_and_names():
+        p.set_data(ms.Tensor(w[name]))
+    if plan is not None:
+        parallelize_module(block, mesh, plan)
+    params = block.trainable_params()
+    c, s_, gt = ms.Tensor(cos), ms.Tensor(sin), ms.Tensor(g)
+
+    def loss(v):
+        return (block(v, c, s_) * gt).sum()
+
+    xt = ms.Tensor(x)
+    out = block(xt, c, s_).asnumpy()
+    _, (dx, dws) = ms.value_and_grad(loss, grad_position=0, weights=params)(xt)
+    return out, {p.name: d.asnumpy() for p, d in zip(params, dws)}, dx.asnumpy()
+
+
+def tp_block_body(framework: str):
+    """The block on one rank without parallelism (the reference) and with TP=2: outputs, every
+    parameter's (local) gradient and the input gradient of both."""
+    import hp_dtensor as hp
+    from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = hp.init_device_mesh("cpu", (WORLD,))
+    plan = {n: ColwiseParallel() for n in COLWISE} | {n: RowwiseParallel() for n in ROWWISE}
+    run = {"torch": _torch_block, "mindspore": _ms_block}[framework]
+    arrays = _block_arrays()
+    return {"ref": run(*arrays), "tp": run(*arrays, mesh=mesh, plan=plan)}
+
+
+def _check_block(results):
+    """TP=2 against the one-rank reference: outputs, local gradient pieces, input gradient."""
+    for rank, res in enumerate(results):
+        (ref_out, ref_g, ref_dx), (out, grads, dx) = res["ref"], res["tp"]
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == ref_g.keys()
+        for name, gr in grads.items():
+            mod, kind = name.split(".")
+            want = ref_g[name]
+            if mod in COLWISE:
+                want = _chunk(want, 0, rank)
+            elif mod in ROWWISE and kind == "weight":
+                want = _chunk(want, 1, rank)
+            np.testing.assert_allclose(gr, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _to_numpy(t):
+    return t.asnumpy() if hasattr(t, "asnumpy") else t.detach().numpy()
+
+
+def _mixed_refusal(hp, mesh, framework):
+    """A tensor of the other framework on this mesh is refused with ShardingError."""
+    if framework == "mindspore":
+        import torch
+
+        other = torch.zeros(2)
+    elif HAVE_MS:
+        import mindspore as ms
+
+        other = ms.Tensor(np.zeros(2, np.float32))
+    else:
+        return "not checked (no MindSpore here)"
+    try:
+        hp.DTensor.from_local(other, mesh, [_placement("R")])
+    except hp.ShardingError as e:
+        return "refused: " + str(e).split(":")[0]
+    return "accepted"
+
+
+def _check(results):
+    """Compare every rank's arrays with the numpy oracle."""
+    x, noise, g = _ints(1), _ints(2), _ints(3)
+    refused = []
+    for key, r0 in results[0].items():
+        if key == "mixed":
+            for res in results:
+                assert res[key].startswith(("refused", "not checked")), res[key]
+            continue
+        if r0[0] == "refused":
+            assert all(res[key] == r0 for res in results), key
+            refused.append(key)
+            continue
+        if key[0] in ("distribute", "full_tensor"):
+            p = key[1] if key[0] == "distribute" else "R"
+            for rank, res in enumerate(results):
+                np.testing.assert_array_equal(res[key][1], _local(x, p, rank, noise), str(key))
+            continue
+        s, d = key
+        ys = [res[key][1] for res in results]
+        dxs = [res[key][2] for res in results]
+        if d == "Psum":
+            np.testing.assert_array_equal(sum(ys), x, str(key))
+        elif d == "Pavg":
+            np.testing.assert_array_equal(sum(ys) / WORLD, x, str(key))
+        else:
+            for rank, y in enumerate(ys):
+                np.testing.assert_array_equal(y, _local(x, d, rank, noise), str(key))
+        for rank, dx in enumerate(dxs):
+            want = _grad_local(g, s, rank)
+            np.testing.assert_array_equal(dx, want, f"gradient {key} rank {rank}")
+    assert not refused, f"every pair has a plan, yet these were refused: {refused}"
+
+
+_RESULTS: dict[str, list] = {}
+
+
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_every_redistribution_on_a_1d_mesh(framework, request, tmp_path):
+    if framework == "mindspore":
+        if not HAVE_MS:
+            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
+        results = run_mindspore(tmp_path, __file__, "redistribution_body", framework)
+    else:
+        if not HAVE_POOL:
+            pytest.skip("hp_testing is not installed")
+        results = request.getfixturevalue("pool2").run(redistribution_body, framework)
+    _check(results)
+    _RESULTS[framework] = results
+
+
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_llama_block_tp2_matches_one_rank(framework, request, tmp_path):
+    if framework == "mindspore":
+        if not HAVE_MS:
+            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
+        results = run_mindspore(tmp_path, __file__, "tp_block_body", framework)
+    else:
+        if not HAVE_POOL:
+            pytest.skip("hp_testing is not installed")
+        results = request.getfixturevalue("pool2").run(tp_block_body, framework)
+    _check_block(results)
+    _BLOCK[framework] = results
+
+
+_BLOCK: dict[str, list] = {}
+
+
+def test_llama_block_same_in_both_frameworks():
+    """The same weights and inputs through torch and MindSpore: outputs and gradients agree
+    (different kernels: within float32 rounding)."""
+    if len(_BLOCK) < 2:
+        pytest.skip("needs both frameworks' runs in this session (nox -s tests_mindspore)")
+    for rank in range(WORLD):
+        for which in ("ref", "tp"):
+            t, m = _BLOCK["torch"][rank][which], _BLOCK["mindspore"][rank][which]
+            np.testing.assert_allclose(m[0], t[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(m[2], t[2], rtol=1e-5, atol=1e-5)
+            assert m[1].keys() == t[1].keys()
+            for name in t[1]:
+                np.testing.assert_allclose(m[1][name], t[1][name], rtol=1e-5, atol=1e-5)
+
+
+def test_both_frameworks_give_the_same_arrays():
+    """Same inputs, same plans: the two frameworks' local results agree to the last bit."""
+    if len(_RESULTS) < 2:
+        pytest.skip("needs both frameworks' runs in this session (nox -s tests_mindspore)")
+    for rank in range(WORLD):
+        a, b = _RESULTS["torch"][rank], _RESULTS["mindspore"][rank]
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "mixed":
+                continue
+            assert a[key][0] == b[key][0], key
+            for u, v in zip(a[key][1:], b[key][1:]):
+                if isinstance(u, np.ndarray):
+                    np.testing.assert_array_equal(u, v, str(key))
+                else:
+                    assert u == v, key
