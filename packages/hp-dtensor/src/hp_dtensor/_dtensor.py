@@ -130,7 +130,7 @@ class DTensor(torch.Tensor):
         if device_mesh is None:
             raise PlacementError("device_mesh is required: pass the DeviceMesh the tensor lives on")
         if _is_mindspore(local_tensor):
-            from ._ms_dtensor import MSDTensor
+            from ._backend._ms_dtensor import MSDTensor
 
             return MSDTensor.from_local(
                 local_tensor,
@@ -708,7 +708,7 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
     if _is_mindspore(tensor):
-        from ._ms_dtensor import distribute_tensor as ms_distribute_tensor
+        from ._backend._ms_dtensor import distribute_tensor as ms_distribute_tensor
 
         return ms_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
     _check_torch_mesh(device_mesh, "tensor")

@@ -62,9 +62,9 @@ def init_process_group(
     platform = get_platform(device_type)
     if platform.is_initialized():
         return
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
+    # the launcher's rendezvous variables (torchrun's; MindSpore checks msrun's itself)
+    required = getattr(platform, "launch_env", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    missing = [k for k in required if k not in os.environ]
     if missing:
         raise MeshError(
             f"init_process_group needs the environment variables {missing}: launch with "

@@ -18,6 +18,8 @@ def collectives_body():
 
     plat = get_platform("cpu")
     assert plat.name == "mindspore", plat.name
+    if not plat.is_initialized():
+        plat.init_process_group(None, 60, "cpu")
     rank, world = plat.get_rank(), plat.get_world_size()
     results = {}
 

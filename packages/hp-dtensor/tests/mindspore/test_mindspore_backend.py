@@ -4,19 +4,19 @@ Runs where MindSpore is installed (``nox -s tests_mindspore``); elsewhere it is 
 asking for the backend must name the package to install."""
 
 import importlib.util
-import os
-import sys
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ms_launch import HERE, run_mindspore  # noqa: E402
+HERE = Path(__file__).parent
 
 HAVE_MS = importlib.util.find_spec("mindspore") is not None
 
 
 @pytest.mark.skipif(not HAVE_MS, reason="MindSpore is not installed (nox -s tests_mindspore)")
 def test_collectives_on_two_cpu_workers(tmp_path):
+    from hp_testing.msrun import run_mindspore
+
     results = run_mindspore(tmp_path, HERE / "ms_collectives.py", "collectives_body")
     for rank, verdicts in enumerate(results):
         failed = {k: v for k, v in verdicts.items() if v != "ok"}

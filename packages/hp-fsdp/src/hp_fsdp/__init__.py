@@ -9,6 +9,7 @@ from ._api import (
     get_full_state_dict,
     hsdp_sync_stream,
     load_full_state_dict,
+    parallelize_value_and_grad,
 )
 
 __version__ = "0.1.0"
@@ -22,4 +23,5 @@ __all__ = [
     "get_full_state_dict",
     "hsdp_sync_stream",
     "load_full_state_dict",
+    "parallelize_value_and_grad",
 ]

@@ -199,6 +199,19 @@ def fully_shard(
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     """
+    if _is_ms_cell(module):
+        from ._ms import fully_shard_cell
+
+        return fully_shard_cell(
+            module,
+            mesh=mesh,
+            # parameters stay gathered from forward to the gradient reduction on MindSpore
+            reshard_after_forward=None if reshard_after_forward in (None, False) else True,
+            shard_placement_fn=shard_placement_fn,
+            mp_policy=None if mp_policy == MixedPrecisionPolicy() else mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+        )
     if isinstance(module, HSDPModule):
         raise FSDPError(
             f"fully_shard was already applied to this {type(module).__mro__[2].__name__}: apply "
@@ -328,6 +341,33 @@ def fully_shard(
     module._hp_fsdp = group
     group.register_hooks()
     return module
+
+
+def _is_ms_cell(module) -> bool:
+    """A MindSpore ``nn.Cell``, told without importing MindSpore."""
+    if isinstance(module, nn.Module):
+        return False
+    return any(c.__module__.startswith("mindspore") for c in type(module).__mro__)
+
+
+def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
+    """MindSpore: ``mindspore.value_and_grad`` for a network sharded with ``fully_shard``,
+    returning the gradients of ``weights`` reduced to this rank's shards (averaged over the
+    data-parallel ranks, gradient scaling factors applied), ready for a MindSpore optimizer.
+
+    Example::
+
+        for cell in net.layers:
+            fully_shard(cell, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        opt = mindspore.nn.SGD(net.trainable_params(), learning_rate=0.1)
+        step = parallelize_value_and_grad(loss_fn, weights=net.trainable_params())
+        loss, grads = step(x, y)
+        opt(grads)
+    """
+    from ._ms import parallelize_value_and_grad as run
+
+    return run(fn, grad_position=grad_position, weights=weights, has_aux=has_aux)
 
 
 def hsdp_sync_stream() -> None:

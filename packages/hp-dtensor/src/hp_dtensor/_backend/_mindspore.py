@@ -54,6 +54,7 @@ class MindSporePlatform:
 
     name = "mindspore"
     framework = "mindspore"
+    launch_env: tuple[str, ...] = ()  # msrun's variables; mindspore.communication checks them
 
     def __init__(self) -> None:
         self._initialized = False
@@ -212,10 +213,9 @@ class MindSporePlatform:
         return ops.cat(list(tensors), dim)
 
     def clone(self, t):
-        # Tensor.clone has no CPU kernel in MindSpore 2.10 (assign_value would share storage)
-        out = t.new_zeros(t.shape)
-        out.copy_(t)
-        return out
+        # Tensor.clone has no CPU kernel in MindSpore 2.10, assign_value would share storage
+        # and copy_ refuses a view of a larger buffer
+        return ops.deepcopy(t)
 
     # streams and events: MindSpore orders work itself in PyNative mode ---------------------------
     def new_stream(self, device):

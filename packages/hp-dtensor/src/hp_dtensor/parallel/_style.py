@@ -120,7 +120,7 @@ class _Linearish(ParallelStyle):
     def validate(self, module, device_mesh, path):
         _one_d(device_mesh, type(self).__name__)
         if _is_ms_cell(module):
-            from ._ms_style import validate_linear_style
+            from .._backend._ms_parallel import validate_linear_style
 
             validate_linear_style(self, module, device_mesh, path, self._kind)
             return
@@ -137,7 +137,7 @@ class _Linearish(ParallelStyle):
 
     def apply(self, module, device_mesh):
         if _is_ms_cell(module):
-            from ._ms_style import apply_linear_style
+            from .._backend._ms_parallel import apply_linear_style
 
             return apply_linear_style(self, module, device_mesh, self._kind)
         self.validate(module, device_mesh, type(module).__name__)

@@ -19,12 +19,12 @@ from functools import lru_cache
 import mindspore as ms
 from mindspore import nn
 
-from ._backend import get_platform
-from ._placement import Partial, Placement, Replicate, Shard, normalize_placements
-from ._plan import plan_redistribute
-from ._redistribute import _run, compile_plan
-from ._spec import DTensorSpec, contiguous_strides
-from .errors import PlacementError, ShardingError
+from .._placement import Partial, Placement, Replicate, Shard, normalize_placements
+from .._plan import plan_redistribute
+from .._redistribute import _run, compile_plan
+from .._spec import DTensorSpec, contiguous_strides
+from ..errors import PlacementError, ShardingError
+from . import get_platform
 
 __all__ = ["MSDTensor", "all_reduce_grad", "distribute_tensor", "is_mindspore_tensor"]
 

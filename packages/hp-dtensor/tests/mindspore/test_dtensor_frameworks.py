@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ms_launch import run_mindspore  # noqa: E402
 
 HAVE_MS = importlib.util.find_spec("mindspore") is not None
 HAVE_POOL = importlib.util.find_spec("hp_testing") is not None
@@ -313,6 +312,8 @@ def test_every_redistribution_on_a_1d_mesh(framework, request, tmp_path):
     if framework == "mindspore":
         if not HAVE_MS:
             pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
+        from hp_testing.msrun import run_mindspore
+
         results = run_mindspore(tmp_path, __file__, "redistribution_body", framework)
     else:
         if not HAVE_POOL:
@@ -327,6 +328,8 @@ def test_llama_block_tp2_matches_one_rank(framework, request, tmp_path):
     if framework == "mindspore":
         if not HAVE_MS:
             pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
+        from hp_testing.msrun import run_mindspore
+
         results = run_mindspore(tmp_path, __file__, "tp_block_body", framework)
     else:
         if not HAVE_POOL:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn
 
-from .._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 from .._placement import Partial, Replicate, Shard
 from ..errors import PlacementError, ShardingError
+from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
 __all__ = ["apply_linear_style", "validate_linear_style"]
 

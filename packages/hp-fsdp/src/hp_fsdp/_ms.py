@@ -1,0 +1,264 @@
+"""``fully_shard`` on MindSpore cells, and ``parallelize_value_and_grad``.
+
+Imported only when ``fully_shard`` is given a MindSpore ``nn.Cell``. Each call forms one group,
+as on torch, and shards the group's parameters on dim 0 over the 1-D mesh (uneven sizes padded
+in the flat buffers, split as ``torch.chunk`` splits them). Between steps the cell holds new
+Parameters with this rank's rows, so a MindSpore optimizer built afterwards keeps 1/N of the
+states and updates shards.
+
+MindSpore's autograd has no tensor hooks to re-gather a parameter in backward, and it caches a
+Parameter's shape in the kernels that used it (one Parameter cannot change shape back and
+forth), so the binding works per step, the way MindSpore training is written
+(``value_and_grad``, then the optimizer):
+
+- before a cell's forward, its group all-gathers every parameter as one flat buffer into the
+  original Parameters (full shape, kept allocated between steps) and swaps those into the
+  cell; they stay there through backward;
+- ``parallelize_value_and_grad(fn, weights=...)`` differentiates with respect to those gathered
+  Parameters, reduce-scatters each group's gradients as one flat buffer (averaged over the
+  ranks, times the group's gradient scaling factor, applied once before the reduction), swaps
+  the shards back in and returns the sharded gradients in the order of ``weights``. Gradients
+  of parameters outside every group are all-reduced (averaged), as data parallelism needs.
+
+So optimizer states and reduced gradients take 1/N per rank; parameters take a whole copy
+plus the shard, and the gradients of one step are whole until reduced.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+
+from hp_dtensor import chunk_size_and_offset, get_platform
+
+__all__ = ["MSParamGroup", "fully_shard_cell", "parallelize_value_and_grad"]
+
+_GROUPS: list[MSParamGroup] = []  # in creation order: every rank reduces in this order
+
+
+class MSParamGroup:
+    """The parameters of one ``fully_shard`` call on a MindSpore cell.
+
+    Each parameter becomes two Parameter objects of fixed shapes: a new one holding this rank's
+    rows (in the cell between steps: the optimizer's) and the original one, which holds the
+    gathered values and is swapped into the cell for the step. MindSpore caches a Parameter's
+    shape in the kernels that used it, so one object cannot change shape back and forth.
+    """
+
+    def __init__(self, cell, mesh, params) -> None:
+        self.cell, self.mesh = cell, mesh
+        self.full_params = list(params)
+        self.n = mesh.shape[0]
+        self.rank = mesh.get_coordinate()[0]
+        self.platform = get_platform(mesh.device_type)
+        self.group = mesh._groups[0]
+        self.grad_scale = 1.0
+        self.shapes = [tuple(p.shape) for p in self.full_params]
+        self.rest = []  # elements per row
+        self.chunk_rows = []  # rows per rank in the padded layout
+        for shape in self.shapes:
+            rest = 1
+            for s in shape[1:]:
+                rest *= s
+            self.rest.append(rest)
+            self.chunk_rows.append(-(-shape[0] // self.n))
+        self.padded = [c * r for c, r in zip(self.chunk_rows, self.rest)]
+        self.total = sum(self.padded)
+        self.unsharded = False
+        self._live = []  # gathered tensors the full Parameters hold (set_data keeps no ref)
+        # where each parameter sits: (cell, attribute) pairs, several for tied parameters
+        self.owners = [[] for _ in self.full_params]
+        index = {id(p): i for i, p in enumerate(self.full_params)}
+        for _, sub in cell.cells_and_names():
+            for attr, par in list(sub._params.items()):
+                if par is not None and id(par) in index:
+                    self.owners[index[id(par)]].append((sub, attr))
+        self.shard_params = []
+        for p, shape in zip(self.full_params, self.shapes):  # this rank's rows of its values
+            rows, start = chunk_size_and_offset(shape[0], self.n, self.rank)
+            mine = self.platform.clone(p[start : start + rows])
+            self.shard_params.append(ms.Parameter(mine, name=p.name, requires_grad=p.requires_grad))
+        self.ids = {id(p) for p in self.shard_params}
+        self._place(self.shard_params)
+
+    def _place(self, params) -> None:
+        for owners, p in zip(self.owners, params):
+            for sub, attr in owners:
+                setattr(sub, attr, p)
+
+    def _flat(self, tensors, dtype):
+        """``(n, total)`` layout: each tensor's padded rows cut in ``n`` row-chunks, in order."""
+        cols = []
+        for t, shape, rows, rest in zip(tensors, self.shapes, self.chunk_rows, self.rest):
+            t = t.reshape(shape[0], rest).astype(dtype)
+            pad = self.n * rows - shape[0]
+            if pad:
+                t = self.platform.cat([t, t.new_zeros((pad, rest))], 0)
+            cols.append(t.reshape(self.n, rows * rest))
+        return self.platform.cat(cols, 1).reshape(-1)
+
+    def unshard(self) -> None:
+        """All-gather every parameter (one collective) and swap the gathered ones in."""
+        if self.unsharded or not self.full_params:
+            return
+        dtype = self.full_params[0].dtype
+        pieces = []
+        for p, rows, rest in zip(self.shard_params, self.chunk_rows, self.rest):
+            mine = p.reshape(-1, rest) if p.shape[0] else p.new_zeros((0, rest))
+            pad = rows - mine.shape[0]
+            if pad:
+                mine = self.platform.cat([mine, mine.new_zeros((pad, rest))], 0)
+            pieces.append(mine.reshape(-1).astype(dtype))
+        send = self.platform.cat(pieces, 0)
+        out = self.platform.zeros((self.n * self.total,), dtype, None)
+        self.platform.all_gather_into(out, send, self.group)
+        out = out.reshape(self.n, self.total)
+        full, off = [], 0
+        for p, shape, k, rows, rest in zip(
+            self.full_params, self.shapes, self.padded, self.chunk_rows, self.rest
+        ):
+            block = out[:, off : off + k].reshape(self.n * rows, rest)[: shape[0]]
+            t = self.platform.clone(block.reshape(shape))  # a tensor of its own
+            p.set_data(t)
+            full.append(t)
+            off += k
+        self._live = full
+        self._place(self.full_params)
+        self.unsharded = True
+
+    def reshard(self) -> None:
+        """Swap this rank's shards back in."""
+        if not self.unsharded:
+            return
+        self._place(self.shard_params)
+        self.unsharded = False
+
+    def reduce(self, grads):
+        """Whole gradients (in parameter order) -> this rank's averaged shards."""
+        dtype = grads[0].dtype
+        send = self._flat(grads, dtype)
+        if self.grad_scale != 1.0:
+            send = send * self.grad_scale
+        out = self.platform.zeros((self.total,), dtype, None)
+        self.platform.reduce_scatter_into(out, send, "sum", self.group)
+        out = out / self.n
+        shards, off = [], 0
+        for shape, k, rest in zip(self.shapes, self.padded, self.rest):
+            rows, _ = chunk_size_and_offset(shape[0], self.n, self.rank)
+            piece = out[off : off + rows * rest].reshape((rows, *shape[1:]))
+            shards.append(self.platform.clone(piece))
+            off += k
+        return shards
+
+
+class MSHSDPCell:
+    """Mixin a cell passed to ``fully_shard`` becomes an instance of (MindSpore)."""
+
+    _hp_fsdp: MSParamGroup
+
+    def set_gradient_scaling_factor(self, factor: float) -> None:
+        """Multiply this group's gradients by ``factor`` once, before they are reduced."""
+        self._hp_fsdp.grad_scale = float(factor)
+
+    def unshard(self) -> None:
+        """All-gather this group's parameters now."""
+        self._hp_fsdp.unshard()
+
+    def reshard(self) -> None:
+        """Swap this rank's shards back in."""
+        self._hp_fsdp.reshard()
+
+
+def fully_shard_cell(cell, *, mesh, **unsupported):
+    """``fully_shard`` for a MindSpore cell (see the module docstring)."""
+    from ._api import FSDPError
+
+    for name, value in unsupported.items():
+        if value is not None:
+            raise FSDPError(
+                f"{name}={value!r} is not supported for MindSpore cells yet: leave it at None"
+            )
+    if mesh is None or getattr(mesh, "framework", None) != "mindspore":
+        raise FSDPError(
+            "fully_shard on a MindSpore cell needs mesh=, a DeviceMesh built with the MindSpore "
+            "backend (HP_BACKEND=mindspore)"
+        )
+    if mesh.ndim != 1:
+        raise FSDPError(
+            f"mesh has {mesh.ndim} dims: MindSpore cells take a 1-D mesh (HSDP is torch-only yet)"
+        )
+    if isinstance(cell, MSHSDPCell):
+        raise FSDPError(
+            f"fully_shard was already applied to this {type(cell).__mro__[2].__name__}: apply "
+            "it once per cell (bottom-up: blocks, then the root)"
+        )
+    owned = {pid for g in _GROUPS for pid in g.ids}
+    params = list(dict.fromkeys(p for p in cell.get_parameters() if id(p) not in owned))
+    if any(len(p.shape) == 0 for p in params):
+        raise FSDPError("fully_shard on MindSpore: scalar parameters cannot be sharded on dim 0")
+    group = MSParamGroup(cell, mesh, params)
+    _GROUPS.append(group)
+    cell.__class__ = type(f"HSDP{type(cell).__name__}", (MSHSDPCell, type(cell)), {})
+    cell._hp_fsdp = group
+    cell.register_forward_pre_hook(lambda c, inputs: group.unshard())
+    return cell
+
+
+def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
+    """``mindspore.value_and_grad`` for a network whose cells went through ``fully_shard``:
+    the returned function gives ``(value, grads)`` with the gradients of ``weights`` (the
+    cells' parameters, i.e. this rank's shards) reduced to this rank's shards (see the module
+    docstring), ready for the optimizer."""
+    wlist = list(weights) if weights is not None else []
+    where = {id(sp): (g, i) for g in _GROUPS for i, sp in enumerate(g.shard_params)}
+    # differentiate with respect to the gathered Parameters that the forward uses
+    mapped = [where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in wlist]
+    inner = ms.value_and_grad(
+        fn, grad_position=grad_position, weights=mapped if wlist else None, has_aux=has_aux
+    )
+
+    def run(*args):
+        try:
+            value, grads = inner(*args)
+            if not wlist:
+                return value, grads
+            wgrads = list(grads if grad_position is None else grads[1])
+            _reduce(wlist, wgrads, where)
+        finally:
+            for g in _GROUPS:
+                g.reshard()
+        wgrads = tuple(wgrads)
+        return value, (wgrads if grad_position is None else (grads[0], wgrads))
+
+    return run
+
+
+def _reduce(weights, grads, where) -> None:
+    """In place: grads of sharded weights -> reduced shards; the others -> averaged."""
+    done = set()
+    for g in _GROUPS:  # creation order: the same on every rank
+        idx = [None] * len(g.shard_params)
+        for i, w in enumerate(weights):
+            hit = where.get(id(w))
+            if hit is not None and hit[0] is g:
+                idx[hit[1]] = i
+        if all(i is None for i in idx):
+            continue
+        if not g.unsharded:
+            raise RuntimeError(
+                "parallelize_value_and_grad: a group's parameters were not gathered during the "
+                "forward (was the cell called?)"
+            )
+        whole = [
+            grads[i] if i is not None else p.new_zeros(p.shape) for i, p in zip(idx, g.full_params)
+        ]
+        for i, shard in zip(idx, g.reduce(whole)):
+            if i is not None:
+                grads[i] = shard
+                done.add(i)
+    rest = [i for i in range(len(weights)) if i not in done]
+    if rest and _GROUPS:
+        platform, group = _GROUPS[0].platform, _GROUPS[0].group
+        for i in rest:
+            g = platform.clone(grads[i])
+            platform.all_reduce(g, "avg", group)
+            grads[i] = g

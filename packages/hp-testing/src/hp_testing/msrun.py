@@ -1,0 +1,69 @@
+"""Run one test body on MindSpore CPU workers started by ``msrun`` (MindSpore's launcher), the
+way ``run_ranks`` runs it on torch ranks; framework-parametrized tests use both.
+
+The body is a module-level function of a file (the test file itself, usually): each worker
+imports that file, calls the function and pickles its result, or its traceback, for the test
+to read. Set up nothing in the worker: the body builds its mesh, which starts the MindSpore
+process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["run_mindspore"]
+
+_WORKER = Path(__file__).with_name("_ms_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mindspore(
+    tmp_path: str | Path, file: str | Path, func: str, *args, workers: int = 2, timeout: float = 300
+) -> list:
+    """``func(*args)`` from ``file`` on ``workers`` MindSpore CPU workers (``HP_BACKEND`` is
+    ``mindspore`` there); every rank's return value, in rank order. Raises ``AssertionError``
+    with the workers' logs when msrun fails, and with the traceback when a rank raised."""
+    tmp_path = Path(tmp_path)
+    msrun = Path(sys.executable).with_name("msrun")
+    cmd = [
+        str(msrun),
+        f"--worker_num={workers}",
+        f"--local_worker_num={workers}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        f"--log_dir={tmp_path / 'logs'}",
+        "--join=True",
+        "--cluster_time_out=90",
+        str(_WORKER),
+        str(file),
+        func,
+        str(tmp_path),
+        json.dumps(list(args)),
+    ]
+    # msrun starts workers with the first "python" on PATH: make it this interpreter
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "HP_BACKEND": "mindspore", "GLOG_v": "3", "PATH": path}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"msrun exited with {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}{logs}"
+        )
+    out = []
+    for rank in range(workers):
+        status, value = pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes())
+        if status != "ok":
+            raise AssertionError(f"rank {rank} raised:\n{value}")
+        out.append(value)
+    return out
