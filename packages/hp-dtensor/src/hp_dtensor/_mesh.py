@@ -107,7 +107,7 @@ class DeviceMesh:
         self._ranks = tuple(ranks)
         self._names = names
         platform = get_platform(device_type)
-        self._framework = getattr(platform, "framework", platform.name)
+        self._framework = getattr(platform, "framework", "torch")  # plugins: torch unless said
         me = platform.get_rank()
         if me in self._ranks:
             idx = self._ranks.index(me)
@@ -119,7 +119,7 @@ class DeviceMesh:
         else:
             self._coord = None
         self._groups: list[Any] = [None] * len(shape)
-        self._hash = hash((device_type, self._shape, self._ranks, self._names))
+        self._hash = hash((device_type, self._shape, self._ranks, self._names, self._framework))
         self._root = root if root is not None else self
         self._root_dims = (
             root_dims if root_dims is not None else tuple((d,) for d in range(len(shape)))
@@ -328,8 +328,8 @@ class DeviceMesh:
         return (
             isinstance(other, DeviceMesh)
             and self._hash == other._hash
-            and (self.device_type, self._shape, self._ranks, self._names)
-            == (other.device_type, other._shape, other._ranks, other._names)
+            and (self.device_type, self._shape, self._ranks, self._names, self._framework)
+            == (other.device_type, other._shape, other._ranks, other._names, other._framework)
         )
 
     def __hash__(self) -> int:

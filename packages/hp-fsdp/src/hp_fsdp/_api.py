@@ -206,7 +206,9 @@ def fully_shard(
             module,
             mesh=mesh,
             # parameters stay gathered from forward to the gradient reduction on MindSpore
-            reshard_after_forward=None if reshard_after_forward in (None, False) else True,
+            reshard_after_forward=(
+                None if reshard_after_forward in (None, False) else reshard_after_forward
+            ),
             shard_placement_fn=shard_placement_fn,
             mp_policy=None if mp_policy == MixedPrecisionPolicy() else mp_policy,
             offload_policy=offload_policy,

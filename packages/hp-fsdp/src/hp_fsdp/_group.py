@@ -252,8 +252,10 @@ class ParamGroup:
                     if k < e.padded:
                         send[off + k : off + e.padded].zero_()
                     off += e.padded
-                # one multi-tensor launch for all parameters (cast included), not one each
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                # one multi-tensor launch for all parameters (cast included), not one each;
+                # none when this rank holds no rows of any of them
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
             work = self.platform.all_gather_into(
                 recv, send, self.mesh._groups[self.shard_dim], async_op=True
             )

@@ -1,10 +1,12 @@
 """``fully_shard`` on MindSpore cells, and ``parallelize_value_and_grad``.
 
 Imported only when ``fully_shard`` is given a MindSpore ``nn.Cell``. Each call forms one group,
-as on torch, and shards the group's parameters on dim 0 over the 1-D mesh (uneven sizes padded
-in the flat buffers, split as ``torch.chunk`` splits them). Between steps the cell holds new
-Parameters with this rank's rows, so a MindSpore optimizer built afterwards keeps 1/N of the
-states and updates shards.
+as on torch, and shards the group's parameters on dim 0 over the 1-D mesh (split as
+``torch.chunk`` splits them). Between steps the cell holds new Parameters with this rank's rows,
+zero-padded to the same number of rows on every rank (the padding stays zero: its gradient is
+zero), so a MindSpore optimizer built afterwards keeps 1/N of the states and updates shards.
+A forward outside ``parallelize_value_and_grad`` (evaluation) gathers before each cell and
+reshards after it.
 
 MindSpore's autograd has no tensor hooks to re-gather a parameter in backward, and it caches a
 Parameter's shape in the kernels that used it (one Parameter cannot change shape back and
@@ -26,13 +28,23 @@ plus the shard, and the gradients of one step are whole until reduced.
 
 from __future__ import annotations
 
+import weakref
+
 import mindspore as ms
 
 from hp_dtensor import chunk_size_and_offset, get_platform
 
 __all__ = ["MSParamGroup", "fully_shard_cell", "parallelize_value_and_grad"]
 
-_GROUPS: list[MSParamGroup] = []  # in creation order: every rank reduces in this order
+# every group, in creation order (the order every rank reduces in); a group lives as long as
+# its cell (which holds it and its hooks)
+_GROUPS: list[weakref.ref] = []
+_STEP = [0]  # > 0 while parallelize_value_and_grad runs: parameters stay gathered
+
+
+def _groups() -> list[MSParamGroup]:
+    _GROUPS[:] = [r for r in _GROUPS if r() is not None]
+    return [r() for r in _GROUPS]
 
 
 class MSParamGroup:
@@ -73,9 +85,15 @@ class MSParamGroup:
                 if par is not None and id(par) in index:
                     self.owners[index[id(par)]].append((sub, attr))
         self.shard_params = []
-        for p, shape in zip(self.full_params, self.shapes):  # this rank's rows of its values
+        for p, shape, chunk in zip(
+            self.full_params, self.shapes, self.chunk_rows
+        ):  # this rank's rows of its values, zero-padded to the same rows on every rank (a
+            # parameter with fewer rows than ranks would otherwise leave a rank an empty one)
             rows, start = chunk_size_and_offset(shape[0], self.n, self.rank)
-            mine = self.platform.clone(p[start : start + rows])
+            mine = self.platform.clone(p[start : start + rows]) if rows else None
+            if rows < chunk:
+                pad = p.new_zeros((chunk - rows, *shape[1:]))
+                mine = pad if mine is None else self.platform.cat([mine, pad], 0)
             self.shard_params.append(ms.Parameter(mine, name=p.name, requires_grad=p.requires_grad))
         self.ids = {id(p) for p in self.shard_params}
         self._place(self.shard_params)
@@ -101,14 +119,7 @@ class MSParamGroup:
         if self.unsharded or not self.full_params:
             return
         dtype = self.full_params[0].dtype
-        pieces = []
-        for p, rows, rest in zip(self.shard_params, self.chunk_rows, self.rest):
-            mine = p.reshape(-1, rest) if p.shape[0] else p.new_zeros((0, rest))
-            pad = rows - mine.shape[0]
-            if pad:
-                mine = self.platform.cat([mine, mine.new_zeros((pad, rest))], 0)
-            pieces.append(mine.reshape(-1).astype(dtype))
-        send = self.platform.cat(pieces, 0)
+        send = self.platform.cat([p.reshape(-1) for p in self.shard_params], 0)
         out = self.platform.zeros((self.n * self.total,), dtype, None)
         self.platform.all_gather_into(out, send, self.group)
         out = out.reshape(self.n, self.total)
@@ -142,9 +153,8 @@ class MSParamGroup:
         self.platform.reduce_scatter_into(out, send, "sum", self.group)
         out = out / self.n
         shards, off = [], 0
-        for shape, k, rest in zip(self.shapes, self.padded, self.rest):
-            rows, _ = chunk_size_and_offset(shape[0], self.n, self.rank)
-            piece = out[off : off + rows * rest].reshape((rows, *shape[1:]))
+        for shape, k, rows in zip(self.shapes, self.padded, self.chunk_rows):
+            piece = out[off : off + k].reshape((rows, *shape[1:]))  # padded like the shard
             shards.append(self.platform.clone(piece))
             off += k
         return shards
@@ -191,15 +201,37 @@ def fully_shard_cell(cell, *, mesh, **unsupported):
             f"fully_shard was already applied to this {type(cell).__mro__[2].__name__}: apply "
             "it once per cell (bottom-up: blocks, then the root)"
         )
-    owned = {pid for g in _GROUPS for pid in g.ids}
+    owned = {pid for g in _groups() for pid in g.ids}
     params = list(dict.fromkeys(p for p in cell.get_parameters() if id(p) not in owned))
-    if any(len(p.shape) == 0 for p in params):
-        raise FSDPError("fully_shard on MindSpore: scalar parameters cannot be sharded on dim 0")
+    scalars = [p.name for p in params if len(p.shape) == 0]
+    if scalars:
+        raise FSDPError(
+            f"fully_shard on MindSpore: parameters {scalars} are scalars and cannot be sharded "
+            "on dim 0; reshape them to (1,) or keep them out of this cell"
+        )
+    dtypes = {str(p.dtype) for p in params}
+    if len(dtypes) > 1:
+        raise FSDPError(
+            f"fully_shard on MindSpore: parameters of one cell have several dtypes "
+            f"{sorted(dtypes)} (one flat buffer per group); give them one dtype or shard them in "
+            "separate cells"
+        )
     group = MSParamGroup(cell, mesh, params)
-    _GROUPS.append(group)
+    _GROUPS.append(weakref.ref(group))
     cell.__class__ = type(f"HSDP{type(cell).__name__}", (MSHSDPCell, type(cell)), {})
     cell._hp_fsdp = group
-    cell.register_forward_pre_hook(lambda c, inputs: group.unshard())
+
+    def pre(c, inputs):
+        if not _STEP[0]:
+            group.reshard()  # outside a step: always gather the current shards
+        group.unshard()
+
+    def post(c, inputs, out):
+        if not _STEP[0]:
+            group.reshard()  # outside a step nothing reduces: back to the shards now
+
+    cell.register_forward_pre_hook(pre)
+    cell.register_forward_hook(post)
     return cell
 
 
@@ -208,8 +240,24 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     the returned function gives ``(value, grads)`` with the gradients of ``weights`` (the
     cells' parameters, i.e. this rank's shards) reduced to this rank's shards (see the module
     docstring), ready for the optimizer."""
+    from ._api import FSDPError
+
+    if weights is None and grad_position is None:
+        raise FSDPError(
+            "parallelize_value_and_grad: give weights= (the cells' parameters) and/or "
+            "grad_position= (inputs to differentiate)"
+        )
     wlist = list(weights) if weights is not None else []
-    where = {id(sp): (g, i) for g in _GROUPS for i, sp in enumerate(g.shard_params)}
+    groups = _groups()
+    where = {id(sp): (g, i) for g in groups for i, sp in enumerate(g.shard_params)}
+    whole = {id(fp) for g in groups for fp in g.full_params}
+    for i, w in enumerate(wlist):
+        if id(w) in whole:
+            raise FSDPError(
+                f"weights[{i}] ({w.name}) is a parameter as it was before fully_shard: take "
+                "the weights after fully_shard (e.g. net.trainable_params() then)"
+            )
+    mine = [g for g in groups if any(id(w) in where and where[id(w)][0] is g for w in wlist)]
     # differentiate with respect to the gathered Parameters that the forward uses
     mapped = [where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in wlist]
     inner = ms.value_and_grad(
@@ -217,14 +265,16 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     )
 
     def run(*args):
+        _STEP[0] += 1
         try:
             value, grads = inner(*args)
             if not wlist:
                 return value, grads
             wgrads = list(grads if grad_position is None else grads[1])
-            _reduce(wlist, wgrads, where)
+            _reduce(mine, wlist, wgrads, where)
         finally:
-            for g in _GROUPS:
+            _STEP[0] -= 1
+            for g in mine:
                 g.reshard()
         wgrads = tuple(wgrads)
         return value, (wgrads if grad_position is None else (grads[0], wgrads))
@@ -232,10 +282,11 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     return run
 
 
-def _reduce(weights, grads, where) -> None:
-    """In place: grads of sharded weights -> reduced shards; the others -> averaged."""
+def _reduce(groups, weights, grads, where) -> None:
+    """In place: grads of sharded weights -> reduced shards; the others -> averaged over the
+    groups' data-parallel ranks."""
     done = set()
-    for g in _GROUPS:  # creation order: the same on every rank
+    for g in groups:  # creation order: the same on every rank
         idx = [None] * len(g.shard_params)
         for i, w in enumerate(weights):
             hit = where.get(id(w))
@@ -245,8 +296,9 @@ def _reduce(weights, grads, where) -> None:
             continue
         if not g.unsharded:
             raise RuntimeError(
-                "parallelize_value_and_grad: a group's parameters were not gathered during the "
-                "forward (was the cell called?)"
+                f"parallelize_value_and_grad: the {type(g.cell).__mro__[2].__name__} sharded by "
+                "fully_shard did not run in the forward, on this rank at least; every rank must "
+                "call every sharded cell in a step"
             )
         whole = [
             grads[i] if i is not None else p.new_zeros(p.shape) for i, p in zip(idx, g.full_params)
@@ -256,8 +308,8 @@ def _reduce(weights, grads, where) -> None:
                 grads[i] = shard
                 done.add(i)
     rest = [i for i in range(len(weights)) if i not in done]
-    if rest and _GROUPS:
-        platform, group = _GROUPS[0].platform, _GROUPS[0].group
+    if rest and groups:
+        platform, group = groups[0].platform, groups[0].group
         for i in rest:
             g = platform.clone(grads[i])
             platform.all_reduce(g, "avg", group)

@@ -1,5 +1,6 @@
-"""fully_shard on both frameworks with one test body: an MLP (uneven output rows) sharded per
-layer and at the root, 5 SGD steps on 2 ranks, each rank on its half of the batch, against a
+"""fully_shard on both frameworks with one test body: an MLP (uneven rows, and a last layer
+with fewer rows than ranks) sharded per layer and at the root, 5 SGD steps on 2 ranks, each
+rank on its half of the batch, with an evaluation forward between steps, against a
 one-process reference of the same framework; then torch against MindSpore on the same weights
 and data. A gradient scaling factor of 2 with half the learning rate must give the same steps.
 
@@ -17,7 +18,7 @@ import pytest
 HAVE_MS = importlib.util.find_spec("mindspore") is not None
 IN, HID, OUT, BATCH, STEPS, LR = 12, 16, 7, 8, 5, 0.1
 WORLD = 2
-LAYERS = ("0", "2", "4")  # the Linear / Dense positions in the sequential model
+LAYERS = ("0", "2", "4", "6")  # the Linear / Dense positions in the sequential model
 
 if importlib.util.find_spec("hp_testing") is not None:
     from hp_testing.pytest_plugin import rank_pool_fixture
@@ -27,7 +28,7 @@ if importlib.util.find_spec("hp_testing") is not None:
 
 def _arrays():
     rng = np.random.default_rng(11)
-    shapes = {"0": (HID, IN), "2": (HID, HID), "4": (OUT, HID)}
+    shapes = {"0": (HID, IN), "2": (HID, HID), "4": (OUT, HID), "6": (1, OUT)}
     w = {}
     for k, (o, i) in shapes.items():
         w[f"{k}.weight"] = (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
@@ -35,7 +36,7 @@ def _arrays():
     data = [
         (
             rng.standard_normal((BATCH, IN)).astype(np.float32),
-            rng.standard_normal((BATCH, OUT)).astype(np.float32),
+            rng.standard_normal((BATCH, 1)).astype(np.float32),
         )
         for _ in range(STEPS)
     ]
@@ -52,7 +53,7 @@ def _torch_run(mesh, rank):
 
     def make():
         m = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU())
-        m.append(nn.Linear(HID, OUT))
+        m.extend([nn.Linear(HID, OUT), nn.ReLU(), nn.Linear(OUT, 1)])
         m.load_state_dict({k: torch.tensor(v) for k, v in w.items()})
         return m
 
@@ -64,9 +65,11 @@ def _torch_run(mesh, rank):
     opt = torch.optim.SGD(model.parameters(), lr=LR / 2)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     mine = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    losses, ref_losses = [], []
+    losses, ref_losses, evals = [], [], []
     for x, y in data:
         x, y = torch.tensor(x), torch.tensor(y)
+        with torch.no_grad():  # evaluation between steps: the current weights
+            evals.append(float((model(x) - ref(x)).abs().max()))
         loss = ((model(x[mine]) - y[mine]) ** 2).mean()
         loss.backward()
         opt.step()
@@ -79,7 +82,7 @@ def _torch_run(mesh, rank):
         ref_losses.append(ref_loss.item())
     shards = {k: p.to_local().detach().numpy() for k, p in model.named_parameters()}
     full = {k: p.detach().numpy() for k, p in ref.named_parameters()}
-    return losses, ref_losses, shards, full
+    return losses, ref_losses, shards, full, evals
 
 
 def _ms_run(mesh, rank):
@@ -93,6 +96,7 @@ def _ms_run(mesh, rank):
     def make():
         m = nn.SequentialCell(
             [nn.Dense(IN, HID), nn.ReLU(), nn.Dense(HID, HID), nn.ReLU(), nn.Dense(HID, OUT)]
+            + [nn.ReLU(), nn.Dense(OUT, 1)]
         )
         for p in m.trainable_params():
             p.set_data(ms.Tensor(w[p.name]))
@@ -112,8 +116,10 @@ def _ms_run(mesh, rank):
     step = parallelize_value_and_grad(loss_of(model), weights=model.trainable_params())
     ref_step = ms.value_and_grad(loss_of(ref), grad_position=None, weights=ref.trainable_params())
     mine = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    losses, ref_losses = [], []
+    losses, ref_losses, evals = [], [], []
     for x, y in data:
+        xt = ms.Tensor(x)  # evaluation between steps: the current weights
+        evals.append(float(np.abs((model(xt) - ref(xt)).asnumpy()).max()))
         loss, grads = step(ms.Tensor(x[mine]), ms.Tensor(y[mine]))
         opt(grads)
         ref_loss, ref_grads = ref_step(ms.Tensor(x), ms.Tensor(y))
@@ -122,7 +128,7 @@ def _ms_run(mesh, rank):
         ref_losses.append(float(ref_loss.asnumpy()))
     shards = {p.name: p.asnumpy() for p in model.trainable_params()}
     full = {p.name: p.asnumpy() for p in ref.trainable_params()}
-    return losses, ref_losses, shards, full
+    return losses, ref_losses, shards, full, evals
 
 
 def fsdp_mlp_body(framework: str):
@@ -141,8 +147,12 @@ def _check(results):
     ref_losses = results[0][1]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for name, want in results[0][3].items():
-        got = np.concatenate([r[2][name] for r in results], 0)  # shards stack on dim 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        # shards stack on dim 0 (MindSpore's are zero-padded to equal rows: cut the padding)
+        got = np.concatenate([r[2][name] for r in results], 0)
+        np.testing.assert_allclose(got[: want.shape[0]], want, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(got[want.shape[0] :], 0)
+    for r in results:  # an evaluation forward sees the weights of the last step
+        assert max(r[4]) < 1e-5, r[4]
     # the steps changed something (the test would pass vacuously with a zero learning rate)
     w, _ = _arrays()
     assert not np.allclose(results[0][3]["4.weight"], w["4.weight"])
@@ -174,4 +184,5 @@ def test_fully_shard_same_in_both_frameworks():
         np.testing.assert_allclose(m[0], t[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(m[1], t[1], rtol=1e-5, atol=1e-6)
         for name in t[2]:
-            np.testing.assert_allclose(m[2][name], t[2][name], rtol=1e-5, atol=1e-6)
+            rows = t[2][name].shape[0]  # MindSpore's shards may carry zero rows of padding
+            np.testing.assert_allclose(m[2][name][:rows], t[2][name], rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -54,11 +55,27 @@ def run_mindspore(
     # msrun starts workers with the first "python" on PATH: make it this interpreter
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = {**os.environ, "HP_BACKEND": "mindspore", "GLOG_v": "3", "PATH": path}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own session, so a timeout ends the workers too; run in tmp_path, where MindSpore
+    # drops its graph dumps on errors
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\nmsrun and its workers killed after {timeout} s"
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     if proc.returncode != 0:
         raise AssertionError(
-            f"msrun exited with {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}{logs}"
+            f"msrun exited with {proc.returncode}\n{stdout[-3000:]}{stderr[-3000:]}{logs}"
         )
     out = []
     for rank in range(workers):

@@ -95,6 +95,29 @@ def all_reduce_grad(x, mesh):
     return _AllReduceGrad(mesh)(x)
 
 
+class _PartialExtremeGrad(nn.Cell):
+    """Identity on a Partial(max/min) local value; in backward the gradient of the global
+    extreme goes to the ranks whose local value attains it (split evenly on ties)."""
+
+    def __init__(self, mesh, dims_ops) -> None:
+        super().__init__(auto_prefix=False)
+        self._mesh, self._dims_ops = mesh, dims_ops
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        platform = get_platform(self._mesh.device_type)
+        full = platform.clone(x)
+        for d, op in self._dims_ops:
+            platform.all_reduce(full, op, self._mesh._groups[d])
+        mask = (x == full).astype(dout.dtype)
+        count = platform.clone(mask)
+        for d, _ in self._dims_ops:
+            platform.all_reduce(count, "sum", self._mesh._groups[d])
+        return (dout * mask / count.clip(1, None),)
+
+
 @lru_cache(maxsize=1024)
 def _cell(mesh, src, dst, shape) -> _Redistribute:
     fwd, bwd = compile_plan(mesh, src, dst, shape)
@@ -148,11 +171,16 @@ class MSDTensor:
             )
         stride = tuple(stride) if stride is not None else contiguous_strides(shape)
         spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
-        scale = 1.0
+        # backward adapters of partial values (NOTE [Gradient representation])
+        scale, extreme = 1.0, []
         for d, p in enumerate(placements):
             if type(p) is Partial and p.reduce_op == "avg":
                 scale /= device_mesh.shape[d]
+            elif type(p) is Partial and p.reduce_op in ("max", "min"):
+                extreme.append((d, p.reduce_op))
         local = _ScaleGrad(scale)(local_tensor) if scale != 1.0 else local_tensor
+        if extreme:
+            local = _PartialExtremeGrad(device_mesh, tuple(extreme))(local)
         return MSDTensor(local, spec)
 
     def to_local(self):
@@ -249,4 +277,6 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank: in
     rep = (Replicate(),) * device_mesh.ndim
     fwd, _ = compile_plan(device_mesh, rep, placements, shape)
     local = _run(fwd, full, device_mesh)
+    if local is tensor:
+        local = platform.clone(local)  # never alias the caller's tensor
     return MSDTensor(local, spec)

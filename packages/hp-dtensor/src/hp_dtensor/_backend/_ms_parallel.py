@@ -42,19 +42,20 @@ def _split_size(cell, kind: str) -> tuple[str, int]:
 def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
     """Check, without communicating, that ``style`` fits the MindSpore ``cell``."""
     name = type(style).__name__
+    where = repr(path) if path else f"the {type(cell).__name__} given"
     if getattr(mesh, "framework", None) != "mindspore":
         raise ShardingError(
-            f"{path or type(cell).__name__} is a MindSpore cell but the mesh was built for "
+            f"{where} is a MindSpore cell but the mesh was built for "
             f"{getattr(mesh, 'framework', None)!r}: build it with HP_BACKEND=mindspore"
         )
     if not isinstance(cell, (nn.Dense, nn.Embedding)):
         raise TypeError(
-            f"{name} applies to MindSpore nn.Dense and nn.Embedding; {path!r} is a "
+            f"{name} applies to MindSpore nn.Dense and nn.Embedding; {where} is a "
             f"{type(cell).__name__}"
         )
     if kind == "rowwise" and isinstance(cell, nn.Embedding):
         raise TypeError(
-            f"RowwiseParallel on a MindSpore nn.Embedding ({path!r}) is not supported yet: use "
+            f"RowwiseParallel on a MindSpore nn.Embedding ({where}) is not supported yet: use "
             "ColwiseParallel (embedding dim split) for it"
         )
     if not style.use_local_output:
@@ -65,16 +66,27 @@ def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
     attr, size = _split_size(cell, kind)
     if size % mesh.size():
         raise PlacementError(
-            f"{path or type(cell).__name__}.{attr}={size} does not divide by the tensor-parallel "
+            f"{where}: {attr}={size} does not divide by the tensor-parallel "
             f"degree {mesh.size()}: choose a degree that divides it"
         )
-    out_pl = style.output_layouts
-    if kind == "rowwise" and cell.has_bias and isinstance(out_pl, Shard) and out_pl.dim in (-1, 1):
+    out_pl = _one(style.output_layouts, None)
+    if kind == "rowwise" and cell.has_bias and isinstance(out_pl, Partial):
         raise PlacementError(
-            f"RowwiseParallel(output_layouts={out_pl}) on {path!r}: the bias is added whole, so "
-            "the output may be sharded on the sequence (Shard(1) of a (batch, seq, features) "
-            "output) or replicated, not on its features"
+            f"RowwiseParallel(output_layouts={out_pl}) on {where}: a Partial output would "
+            "count the bias once per rank; give Replicate() or a Shard of a non-feature dim"
         )
+    if kind == "rowwise" and cell.has_bias and isinstance(out_pl, Shard) and out_pl.dim == -1:
+        raise PlacementError(
+            f"RowwiseParallel(output_layouts={out_pl}) on {where}: the bias is added whole, so "
+            "the output may be sharded on a dim other than its features, or replicated"
+        )
+    if kind == "colwise" and isinstance(cell, nn.Embedding):
+        in_pl = _one(style.input_layouts, None)
+        if in_pl is not None and not isinstance(in_pl, (Replicate, Shard)):
+            raise PlacementError(
+                f"ColwiseParallel(input_layouts={in_pl}) on {where}: token ids are replicated "
+                "or sharded, not partial"
+            )
 
 
 def _shard_param(cell, name: str, mesh, placement) -> None:
@@ -97,6 +109,7 @@ def apply_linear_style(style, cell, mesh, kind: str):
     colwise = kind == "colwise"
     if embedding:
         _shard_param(cell, "embedding_table", mesh, Shard(1))
+        cell.embedding_size //= mesh.size()  # its construct shapes the output with it
     elif colwise:
         _shard_param(cell, "weight", mesh, Shard(0))
         if cell.has_bias:
@@ -112,8 +125,11 @@ def apply_linear_style(style, cell, mesh, kind: str):
     desired = Replicate() if colwise else Shard(-1)
 
     def pre(c, inputs):
-        if embedding:
-            return None  # replicated ids, looked up in the local columns of the table
+        if embedding:  # the ids, replicated, are looked up in the local columns of the table
+            if isinstance(in_pl, Replicate):
+                return None
+            ids = MSDTensor.from_local(inputs[0], mesh, [in_pl])
+            return (ids.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:])
         x = MSDTensor.from_local(inputs[0], mesh, [in_pl])
         x = x.redistribute(mesh, [desired]).to_local()
         if colwise:
@@ -125,6 +141,11 @@ def apply_linear_style(style, cell, mesh, kind: str):
             y = MSDTensor.from_local(out, mesh, [Shard(out.ndim - 1)])
         else:
             y = MSDTensor.from_local(out, mesh, [Partial()])
+        if isinstance(out_pl, Shard) and out_pl.dim % out.ndim == out.ndim - 1 and bias is not None:
+            raise PlacementError(
+                f"RowwiseParallel(output_layouts={out_pl}) shards the output's features, to "
+                "which the whole bias is added: shard another dim or replicate the output"
+            )
         y = y.redistribute(mesh, [out_pl]).to_local()
         if bias is not None:
             y = y + (all_reduce_grad(bias, mesh) if isinstance(out_pl, Shard) else bias)
