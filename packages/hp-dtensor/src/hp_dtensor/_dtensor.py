@@ -38,7 +38,7 @@ from ._redistribute import (
     gathered_dims,
     redistribute_local,
 )
-from ._spec import DTensorSpec, contiguous_strides
+from ._spec import DTensorSpec, contiguous_strides, redistribute_target
 from .errors import PlacementError, ShardingError
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
@@ -242,18 +242,10 @@ class DTensor(torch.Tensor):
         ``async_op`` is accepted for API compatibility and changes nothing on gloo.
         """
         spec = self._spec
-        mesh = spec.mesh if device_mesh is None else device_mesh
-        if mesh != spec.mesh:
-            raise ShardingError(
-                f"device_mesh={mesh} differs from this tensor's mesh {spec.mesh}: redistributing "
-                "across meshes is not supported; use to_local/from_local"
-            )
-        if placements is None:
-            raise PlacementError("placements is required: give one placement per mesh dimension")
-        placements = normalize_placements(placements, mesh.ndim, len(spec.shape))
+        placements = redistribute_target(spec, device_mesh, placements)
         if placements == spec.placements:
             return self
-        if plan_redistribute(mesh.shape, spec.placements, placements, spec.shape).is_noop:
+        if plan_redistribute(spec.mesh.shape, spec.placements, placements, spec.shape).is_noop:
             return _make(self._local, spec.with_placements(placements))
         return _redistribute(self, spec.with_placements(placements))
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from ._placement import Partial, Placement, Shard
+from ._placement import Partial, Placement, Shard, normalize_placements
 from ._shard_math import local_shape_and_offset
+from .errors import PlacementError, ShardingError
 
-__all__ = ["DTensorSpec", "contiguous_strides"]
+__all__ = ["DTensorSpec", "contiguous_strides", "redistribute_target"]
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -103,3 +104,17 @@ class DTensorSpec:
     def sharded_dims(self) -> set[int]:
         """Tensor dimensions split over some mesh dimension."""
         return {p.dim for p in self.placements if isinstance(p, Shard)}
+
+
+def redistribute_target(spec: DTensorSpec, device_mesh, placements) -> tuple[Placement, ...]:
+    """The normalised placements a ``redistribute(device_mesh, placements)`` call asks for,
+    checked (same mesh, placements given) for either framework's DTensor."""
+    mesh = spec.mesh if device_mesh is None else device_mesh
+    if mesh != spec.mesh:
+        raise ShardingError(
+            f"device_mesh={mesh} differs from this tensor's mesh {spec.mesh}: redistributing "
+            "across meshes is not supported; use to_local/from_local"
+        )
+    if placements is None:
+        raise PlacementError("placements is required: give one placement per mesh dimension")
+    return normalize_placements(placements, mesh.ndim, len(spec.shape))

@@ -18,18 +18,17 @@ import sys
 import numpy as np
 import pytest
 
+from hp_testing.msrun import run_framework
+from hp_testing.pytest_plugin import rank_pool_fixture
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 HAVE_MS = importlib.util.find_spec("mindspore") is not None
-HAVE_POOL = importlib.util.find_spec("hp_testing") is not None
 SHAPE = (5, 7)  # uneven over 2 ranks on both dims
 WORLD = 2
 NAMES = ("S0", "S1", "R", "Psum", "Pavg", "Pmax")
 
-if HAVE_POOL:
-    from hp_testing.pytest_plugin import rank_pool_fixture
-
-    pool2 = rank_pool_fixture(2)
+pool2 = rank_pool_fixture(2)
 
 
 def _placement(name):
@@ -363,16 +362,7 @@ def _check_extras(results):
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
 def test_embedding_and_sequence_sharded_rowwise(framework, request, tmp_path):
-    if framework == "mindspore":
-        if not HAVE_MS:
-            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
-        from hp_testing.msrun import run_mindspore
-
-        results = run_mindspore(tmp_path, __file__, "extras_body", framework)
-    else:
-        if not HAVE_POOL:
-            pytest.skip("hp_testing is not installed")
-        results = request.getfixturevalue("pool2").run(extras_body, framework)
+    results = run_framework(framework, request, tmp_path, extras_body, framework)
     _check_extras(results)
 
 
@@ -442,32 +432,14 @@ _RESULTS: dict[str, list] = {}
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
 def test_every_redistribution_on_a_1d_mesh(framework, request, tmp_path):
-    if framework == "mindspore":
-        if not HAVE_MS:
-            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
-        from hp_testing.msrun import run_mindspore
-
-        results = run_mindspore(tmp_path, __file__, "redistribution_body", framework)
-    else:
-        if not HAVE_POOL:
-            pytest.skip("hp_testing is not installed")
-        results = request.getfixturevalue("pool2").run(redistribution_body, framework)
+    results = run_framework(framework, request, tmp_path, redistribution_body, framework)
     _check(results)
     _RESULTS[framework] = results
 
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
 def test_llama_block_tp2_matches_one_rank(framework, request, tmp_path):
-    if framework == "mindspore":
-        if not HAVE_MS:
-            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
-        from hp_testing.msrun import run_mindspore
-
-        results = run_mindspore(tmp_path, __file__, "tp_block_body", framework)
-    else:
-        if not HAVE_POOL:
-            pytest.skip("hp_testing is not installed")
-        results = request.getfixturevalue("pool2").run(tp_block_body, framework)
+    results = run_framework(framework, request, tmp_path, tp_block_body, framework)
     _check_block(results)
     _BLOCK[framework] = results
 

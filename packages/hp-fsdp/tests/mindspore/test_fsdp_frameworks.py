@@ -10,20 +10,17 @@ MindSpore is not installed: ``nox -s tests_mindspore`` installs it).
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
-HAVE_MS = importlib.util.find_spec("mindspore") is not None
+from hp_testing.msrun import run_framework
+from hp_testing.pytest_plugin import rank_pool_fixture
+
 IN, HID, OUT, BATCH, STEPS, LR = 12, 16, 7, 8, 5, 0.1
 WORLD = 2
 LAYERS = ("0", "2", "4", "6")  # the Linear / Dense positions in the sequential model
 
-if importlib.util.find_spec("hp_testing") is not None:
-    from hp_testing.pytest_plugin import rank_pool_fixture
-
-    pool2 = rank_pool_fixture(2)
+pool2 = rank_pool_fixture(2)
 
 
 def _arrays():
@@ -163,14 +160,7 @@ _RESULTS: dict[str, list] = {}
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
 def test_fully_shard_mlp_matches_one_process(framework, request, tmp_path):
-    if framework == "mindspore":
-        if not HAVE_MS:
-            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
-        from hp_testing.msrun import run_mindspore
-
-        results = run_mindspore(tmp_path, __file__, "fsdp_mlp_body", framework)
-    else:
-        results = request.getfixturevalue("pool2").run(fsdp_mlp_body, framework)
+    results = run_framework(framework, request, tmp_path, fsdp_mlp_body, framework)
     _check(results)
     _RESULTS[framework] = results
 

@@ -421,16 +421,7 @@ def all_to_all_single(
         if p != me and s_in[p] and sym is None:
             lo = in_off[p]
             ws.view(me, s_in[p] * row, _META + lo).copy_(src[lo : lo + s_in[p] * row])
-    if uneven:
-        meta = torch.tensor(s_in, dtype=torch.int64).view(torch.uint8).to(input.device)
-        ws.view(me, meta.numel()).copy_(meta)
-    ws.barrier()
-    if uneven:  # the peers' input splits (one host round trip)
-        sizes = torch.stack(
-            [ws.view(p, 8 * world).view(torch.int64) for p in range(world)]
-        ).tolist()
-    else:
-        sizes = [s_in] * world
+    sizes = _meet_with_splits(ws, s_in, uneven, input.device)
     out = _bytes(output)
     pairs = []
     offset = 0
@@ -453,6 +444,21 @@ def all_to_all_single(
     return output
 
 
+def _meet_with_splits(ws, s_in, uneven, device) -> list[list[int]]:
+    """Barrier; with ``uneven`` also every rank's input splits (written into the workspace's
+    metadata before the barrier, read after it: one host round trip). ``sizes[p][q]`` is the
+    rows rank ``p`` sends to rank ``q``."""
+    if uneven:
+        meta = torch.tensor(s_in, dtype=torch.int64).view(torch.uint8).to(device)
+        ws.view(ws.rank, meta.numel()).copy_(meta)
+    ws.barrier()
+    if not uneven:
+        return [s_in] * ws.world
+    return torch.stack(
+        [ws.view(p, 8 * ws.world).view(torch.int64) for p in range(ws.world)]
+    ).tolist()
+
+
 def _all_to_all_push(ws, output, input, out_sym, s_in, row, uneven):
     """all_to_all into outputs that lie in symmetric memory (at the same offset on every rank,
     the symmetric contract): each rank writes its rows for ``p`` straight into ``p``'s output
@@ -461,16 +467,8 @@ def _all_to_all_push(ws, output, input, out_sym, s_in, row, uneven):
     world, me = ws.world, ws.rank
     mem, off = out_sym
     ws.ensure(_META if uneven else 1)
-    if uneven:
-        meta = torch.tensor(s_in, dtype=torch.int64).view(torch.uint8).to(input.device)
-        ws.view(me, meta.numel()).copy_(meta)
-    ws.barrier()  # every rank is here: its output may now be written
-    if uneven:  # every rank's input splits (one host round trip)
-        sizes = torch.stack(
-            [ws.view(p, 8 * world).view(torch.int64) for p in range(world)]
-        ).tolist()
-    else:
-        sizes = [s_in] * world
+    # every rank is here after this: its output may now be written
+    sizes = _meet_with_splits(ws, s_in, uneven, input.device)
     src = _bytes(input)
     pairs = []
     lo = 0

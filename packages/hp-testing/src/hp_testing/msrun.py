@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["run_mindspore"]
+__all__ = ["run_framework", "run_mindspore"]
 
 _WORKER = Path(__file__).with_name("_ms_worker.py")
 
@@ -84,3 +84,21 @@ def run_mindspore(
             raise AssertionError(f"rank {rank} raised:\n{value}")
         out.append(value)
     return out
+
+
+def run_framework(framework: str, request, tmp_path, func, *args, pool: str = "pool2") -> list:
+    """Run ``func(*args)``, a module-level function of the calling test's module, on 2 ranks of
+    ``framework``: ``"torch"`` on the gloo ranks of the ``pool`` fixture, ``"mindspore"`` on
+    msrun workers (the test is skipped where MindSpore is not installed). Every rank's result,
+    in rank order."""
+    import importlib.util
+
+    import pytest
+
+    if framework == "mindspore":
+        if importlib.util.find_spec("mindspore") is None:
+            pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
+        return run_mindspore(tmp_path, request.module.__file__, func.__name__, *args)
+    if framework != "torch":
+        raise ValueError(f"framework={framework!r}: give 'torch' or 'mindspore'")
+    return request.getfixturevalue(pool).run(func, *args)

@@ -22,7 +22,7 @@ from mindspore import nn
 from .._placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .._plan import plan_redistribute
 from .._redistribute import _run, compile_plan
-from .._spec import DTensorSpec, contiguous_strides
+from .._spec import DTensorSpec, contiguous_strides, redistribute_target
 from ..errors import PlacementError, ShardingError
 from . import get_platform
 
@@ -190,15 +190,8 @@ class MSDTensor:
     def redistribute(self, device_mesh=None, placements: Sequence[Placement] | None = None):
         """The same global tensor with other placements (differentiable)."""
         spec = self._spec
-        mesh = spec.mesh if device_mesh is None else device_mesh
-        if mesh != spec.mesh:
-            raise ShardingError(
-                f"device_mesh={mesh} differs from this tensor's mesh {spec.mesh}: redistributing "
-                "across meshes is not supported; use to_local/from_local"
-            )
-        if placements is None:
-            raise PlacementError("placements is required: give one placement per mesh dimension")
-        placements = normalize_placements(placements, mesh.ndim, len(spec.shape))
+        placements = redistribute_target(spec, device_mesh, placements)
+        mesh = spec.mesh
         target = spec.with_placements(placements)
         if placements == spec.placements:
             return self
