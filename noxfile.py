@@ -196,7 +196,7 @@ DEV_ONLY = "hp_testing"
 # External frameworks only the backend binding may import.
 BINDING_ONLY = {
     "hp_dtensor": ("hp_dtensor._backend", ["mindspore", "torch_npu"]),
-    "hp_fsdp": ("hp_fsdp._ms", ["mindspore"]),
+    "hp_fsdp": ("hp_fsdp._backend", ["mindspore"]),
 }
 
 

@@ -200,7 +200,7 @@ def fully_shard(
         fully_shard(model, mesh=mesh)
     """
     if _is_ms_cell(module):
-        from ._ms import fully_shard_cell
+        from ._backend._mindspore import fully_shard_cell
 
         return fully_shard_cell(
             module,
@@ -367,7 +367,7 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
         loss, grads = step(x, y)
         opt(grads)
     """
-    from ._ms import parallelize_value_and_grad as run
+    from ._backend._mindspore import parallelize_value_and_grad as run
 
     return run(fn, grad_position=grad_position, weights=weights, has_aux=has_aux)
 

@@ -81,21 +81,21 @@ def _train(impl, mp, reshard_after_forward=None, with_ref=False):
 
 
 def _fp32_body(reshard_after_forward):
-    _train("ours", mp=False, reshard_after_forward=reshard_after_forward, with_ref=True)
+    # losses and every gradient are compared with the one-GPU reference inside, step by step
+    return _train("ours", mp=False, reshard_after_forward=reshard_after_forward, with_ref=True)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [None, True, False])
 def test_fp32_matches_single_gpu(gpus, reshard_after_forward):
-    gpus.run(_fp32_body, reshard_after_forward)
+    losses = gpus.run(_fp32_body, reshard_after_forward)
+    assert losses[0] == losses[1] and len(losses[0]) == STEPS
 
 
 def _bf16_body():
-    ours = _train("ours", mp=True)
-    theirs = _train("torch", mp=True)
-    # same data, init and arithmetic up to reduction order: bf16 forward noise only
-    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=0)
-    return ours, theirs
+    return _train("ours", mp=True), _train("torch", mp=True)
 
 
 def test_bf16_matches_fsdp2(gpus):
-    gpus.run(_bf16_body)
+    ours, theirs = gpus.run(_bf16_body)[0]
+    # same data, init and arithmetic up to reduction order: bf16 forward noise only
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=0)

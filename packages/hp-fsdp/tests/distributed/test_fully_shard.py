@@ -242,17 +242,20 @@ def _kept_root_is_refreshed():
     _shard(model, mesh, "ours")
     ids, _ = _batch(0, 2)
     model(ids)  # grad mode, no backward: the root stays gathered
-    assert model._hp_fsdp.unsharded
+    kept = model._hp_fsdp.unsharded
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):
             p.to_local().mul_(0.5)
             q.mul_(0.5)
-        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-6)
-    assert not model._hp_fsdp.unsharded  # and a no_grad forward reshards the root
+        diff = (model(ids) - ref(ids)).abs().max().item()
+    return kept, diff, model._hp_fsdp.unsharded
 
 
 def test_kept_root_parameters_are_refreshed(pool2):
-    pool2.run(_kept_root_is_refreshed)
+    for kept, diff, after in pool2.run(_kept_root_is_refreshed):
+        assert kept  # the root stayed gathered after the grad-mode forward
+        assert diff < 1e-5  # yet the next forward saw the changed parameters
+        assert not after  # and a no_grad forward resharded it
 
 
 class _WithEmpty(torch.nn.Module):
@@ -274,12 +277,14 @@ def _zero_size_parameter():
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     model(x).square().sum().backward()
     ref(x).square().sum().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+    return [(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 def test_zero_size_parameter(pool2):
-    pool2.run(_zero_size_parameter)
+    for grads in pool2.run(_zero_size_parameter):
+        assert sorted(tuple(g.shape) for g, _ in grads) == [(0, 4), (4,), (4, 4)]
+        for got, want in grads:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _memory():

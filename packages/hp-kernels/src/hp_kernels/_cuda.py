@@ -469,16 +469,14 @@ def _all_to_all_push(ws, output, input, out_sym, s_in, row, uneven):
     ws.ensure(_META if uneven else 1)
     # every rank is here after this: its output may now be written
     sizes = _meet_with_splits(ws, s_in, uneven, input.device)
-    src = _bytes(input)
+    src, out = _bytes(input), _bytes(output)
     pairs = []
     lo = 0
     for p in range(world):
         size = s_in[p] * row
         if size:
-            at = off + sum(sizes[q][p] for q in range(me)) * row  # after earlier ranks' rows
-            dst = _bytes(output)[at - off : at - off + size] if p == me else None
-            if dst is None:
-                dst = mem.peer_bytes(p)[at : at + size]
+            at = sum(sizes[q][p] for q in range(me)) * row  # after earlier ranks' rows
+            dst = out[at : at + size] if p == me else mem.peer_bytes(p)[off + at : off + at + size]
             pairs.append((dst, src[lo : lo + size]))
         lo += size
     _fan_out(ws, pairs)

@@ -180,7 +180,7 @@ class MSHSDPCell:
 
 def fully_shard_cell(cell, *, mesh, **unsupported):
     """``fully_shard`` for a MindSpore cell (see the module docstring)."""
-    from ._api import FSDPError
+    from .._api import FSDPError
 
     for name, value in unsupported.items():
         if value is not None:
@@ -240,7 +240,7 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     the returned function gives ``(value, grads)`` with the gradients of ``weights`` (the
     cells' parameters, i.e. this rank's shards) reduced to this rank's shards (see the module
     docstring), ready for the optimizer."""
-    from ._api import FSDPError
+    from .._api import FSDPError
 
     if weights is None and grad_position is None:
         raise FSDPError(
@@ -257,7 +257,14 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
                 f"weights[{i}] ({w.name}) is a parameter as it was before fully_shard: take "
                 "the weights after fully_shard (e.g. net.trainable_params() then)"
             )
-    mine = [g for g in groups if any(id(w) in where and where[id(w)][0] is g for w in wlist)]
+    # per group whose shards are among the weights: each parameter's index in weights (None:
+    # not asked for); decided once, used at every step
+    slots: dict[MSParamGroup, list[int | None]] = {}
+    for i, w in enumerate(wlist):
+        if id(w) in where:
+            g, k = where[id(w)]
+            slots.setdefault(g, [None] * len(g.shard_params))[k] = i
+    mine = [g for g in groups if g in slots]  # creation order: the same on every rank
     # differentiate with respect to the gathered Parameters that the forward uses
     mapped = [where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in wlist]
     inner = ms.value_and_grad(
@@ -271,7 +278,7 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
             if not wlist:
                 return value, grads
             wgrads = list(grads if grad_position is None else grads[1])
-            _reduce(mine, wlist, wgrads, where)
+            _reduce(mine, slots, wgrads)
         finally:
             _STEP[0] -= 1
             for g in mine:
@@ -282,18 +289,12 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     return run
 
 
-def _reduce(groups, weights, grads, where) -> None:
+def _reduce(groups, slots, grads) -> None:
     """In place: grads of sharded weights -> reduced shards; the others -> averaged over the
     groups' data-parallel ranks."""
     done = set()
     for g in groups:  # creation order: the same on every rank
-        idx = [None] * len(g.shard_params)
-        for i, w in enumerate(weights):
-            hit = where.get(id(w))
-            if hit is not None and hit[0] is g:
-                idx[hit[1]] = i
-        if all(i is None for i in idx):
-            continue
+        idx = slots[g]
         if not g.unsharded:
             raise RuntimeError(
                 f"parallelize_value_and_grad: the {type(g.cell).__mro__[2].__name__} sharded by "
@@ -307,7 +308,7 @@ def _reduce(groups, weights, grads, where) -> None:
             if i is not None:
                 grads[i] = shard
                 done.add(i)
-    rest = [i for i in range(len(weights)) if i not in done]
+    rest = [i for i in range(len(grads)) if i not in done]
     if rest and groups:
         platform, group = groups[0].platform, groups[0].group
         for i in rest:
