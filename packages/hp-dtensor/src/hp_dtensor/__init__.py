@@ -44,6 +44,25 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``hp_dtensor.ms_ops``: ops on MindSpore DTensors (``mint`` names; imported on first use,
+    so MindSpore is needed only by code that asks for it)."""
+    if name == "ms_ops":
+        import importlib
+
+        try:
+            return importlib.import_module("hp_dtensor._backend._ms_ops")
+        except ImportError as e:
+            from ._backend import _INSTALL
+
+            raise BackendError(
+                f"hp_dtensor.ms_ops needs MindSpore, which could not be imported ({e}): "
+                f"{_INSTALL['mindspore']}"
+            ) from e
+    raise AttributeError(f"module 'hp_dtensor' has no attribute {name!r}")
+
+
 __all__ = [
     "BackendError",
     "Call",

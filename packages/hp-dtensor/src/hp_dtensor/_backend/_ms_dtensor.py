@@ -13,6 +13,7 @@ NOTE [Gradient representation] in ``_redistribute``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -26,7 +27,13 @@ from .._spec import DTensorSpec, contiguous_strides, redistribute_target
 from ..errors import PlacementError, ShardingError
 from . import get_platform
 
-__all__ = ["MSDTensor", "all_reduce_grad", "distribute_tensor", "is_mindspore_tensor"]
+__all__ = [
+    "MSDTensor",
+    "all_reduce_grad",
+    "distribute_tensor",
+    "is_mindspore_tensor",
+    "partial_adapters",
+]
 
 
 def is_mindspore_tensor(t) -> bool:
@@ -118,6 +125,24 @@ class _PartialExtremeGrad(nn.Cell):
         return (dout * mask / count.clip(1, None),)
 
 
+def partial_adapters(local, mesh, placements, *, only=None):
+    """``local`` behind the backward adapters its Partial(avg / max / min) placements need
+    (NOTE [Gradient representation]); ``only`` limits them to those mesh dims."""
+    scale, extreme = 1.0, []
+    for d, p in enumerate(placements):
+        if type(p) is not Partial or (only is not None and d not in only):
+            continue
+        if p.reduce_op == "avg":
+            scale /= mesh.shape[d]
+        elif p.reduce_op in ("max", "min"):
+            extreme.append((d, p.reduce_op))
+    if scale != 1.0:
+        local = _ScaleGrad(scale)(local)
+    if extreme:
+        local = _PartialExtremeGrad(mesh, tuple(extreme))(local)
+    return local
+
+
 @lru_cache(maxsize=1024)
 def _cell(mesh, src, dst, shape) -> _Redistribute:
     fwd, bwd = compile_plan(mesh, src, dst, shape)
@@ -171,17 +196,7 @@ class MSDTensor:
             )
         stride = tuple(stride) if stride is not None else contiguous_strides(shape)
         spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
-        # backward adapters of partial values (NOTE [Gradient representation])
-        scale, extreme = 1.0, []
-        for d, p in enumerate(placements):
-            if type(p) is Partial and p.reduce_op == "avg":
-                scale /= device_mesh.shape[d]
-            elif type(p) is Partial and p.reduce_op in ("max", "min"):
-                extreme.append((d, p.reduce_op))
-        local = _ScaleGrad(scale)(local_tensor) if scale != 1.0 else local_tensor
-        if extreme:
-            local = _PartialExtremeGrad(device_mesh, tuple(extreme))(local)
-        return MSDTensor(local, spec)
+        return MSDTensor(partial_adapters(local_tensor, device_mesh, placements), spec)
 
     def to_local(self):
         """This rank's piece (differentiable: its gradient is the local gradient)."""
@@ -229,9 +244,64 @@ class MSDTensor:
         """The MindSpore dtype."""
         return self._spec.dtype
 
+    # -- ops: the sharding rules decide (``_ms_ops``); operands may be Python scalars ----------
+    def __add__(self, other):
+        return _ms_ops.call_op("add", operator.add, self, other)
+
+    def __radd__(self, other):
+        return _ms_ops.call_op("add", operator.add, other, self)
+
+    def __sub__(self, other):
+        return _ms_ops.call_op("sub", operator.sub, self, other)
+
+    def __rsub__(self, other):
+        return _ms_ops.call_op("sub", operator.sub, other, self)
+
+    def __mul__(self, other):
+        return _ms_ops.call_op("mul", operator.mul, self, other)
+
+    def __rmul__(self, other):
+        return _ms_ops.call_op("mul", operator.mul, other, self)
+
+    def __truediv__(self, other):
+        return _ms_ops.call_op("div", operator.truediv, self, other)
+
+    def __rtruediv__(self, other):
+        return _ms_ops.call_op("div", operator.truediv, other, self)
+
+    def __neg__(self):
+        return _ms_ops.neg(self)
+
+    def __matmul__(self, other):
+        return _ms_ops.matmul(self, other)
+
+    def reshape(self, *shape):
+        """The same elements in global shape ``shape`` (local view when the split allows)."""
+        return _ms_ops.reshape(self, _shape_arg(shape))
+
+    def view(self, *shape):
+        """As ``reshape``."""
+        return _ms_ops.view(self, _shape_arg(shape))
+
+    def transpose(self, dim0: int, dim1: int):
+        """Swap two dimensions (placements follow)."""
+        return _ms_ops.transpose(self, dim0, dim1)
+
+    def sum(self, dim=None, keepdim: bool = False):
+        """Sum over ``dim`` (all by default); a sharded dim gives a Partial(sum) result."""
+        return _ms_ops.sum(self, dim, keepdim)
+
+    def mean(self, dim=None, keepdim: bool = False):
+        """Mean over ``dim`` (all by default); a sharded dim gives a Partial(avg) result."""
+        return _ms_ops.mean(self, dim, keepdim)
+
     def __repr__(self) -> str:
         pl = ", ".join(str(p) for p in self._spec.placements)
         return f"MSDTensor(local={tuple(self._local.shape)}, placements=({pl}), shape={self.shape})"
+
+
+def _shape_arg(shape) -> tuple[int, ...]:
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
 
 
 def _global_shape(local, mesh, placements) -> tuple[int, ...]:
@@ -273,3 +343,6 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank: in
     if local is tensor:
         local = platform.clone(local)  # never alias the caller's tensor
     return MSDTensor(local, spec)
+
+
+from . import _ms_ops  # noqa: E402  (ops need MSDTensor: imported last)
