@@ -66,6 +66,31 @@ def _check_len(values, layouts, arg):
         )
 
 
+def check_sharding_plan(sharding_plan: dict, param_ndims: dict, owner: str):
+    """``(parameter layouts, forward spec)`` of a ``shard_module`` plan, checked against the
+    module's parameters (dotted name -> ndim) before anything moves. Framework-neutral."""
+    unknown = set(sharding_plan) - {"parameter", "forward"}
+    if unknown:
+        raise LayoutError(
+            f"sharding_plan keys {sorted(unknown)} unknown: use 'parameter' and 'forward'"
+        )
+    params = dict(sharding_plan.get("parameter", {}))
+    for name, lay in params.items():
+        if name not in param_ndims:
+            raise LayoutError(
+                f"sharding_plan['parameter'] names {name!r}, which is not a parameter of "
+                f"{owner}: it has {sorted(param_ndims)}"
+            )
+        if not isinstance(lay, Layout) or lay.tensor_map is None:
+            raise LayoutError(f"sharding_plan['parameter'][{name!r}] must be a bound Layout")
+        if len(lay.tensor_map) != param_ndims[name]:
+            raise LayoutError(
+                f"Layout for {name!r} has {len(lay.tensor_map)} dims, the parameter has "
+                f"{param_ndims[name]}"
+            )
+    return params, dict(sharding_plan.get("forward", {}))
+
+
 def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
     """Shard ``module`` in place from Layouts; returns it.
 
@@ -80,28 +105,21 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
     Layout (DTensors are redistributed to it); outputs are redistributed to the output Layouts
     and returned as DTensors (or local tensors with ``"use_local_output": True``). ``None``
     leaves an entry alone. Every name and length is checked before any parameter moves.
+
+    On a MindSpore ``nn.Cell`` the parameters keep their local shard as plain ``Parameter``s
+    (optimizers and ``value_and_grad`` see them) and the cell's ``construct`` reads each as a
+    DTensor over it, so it must compute with ``hp_dtensor.ms_ops`` (``mint`` on plain tensors).
     """
-    unknown = set(sharding_plan) - {"parameter", "forward"}
-    if unknown:
-        raise LayoutError(
-            f"sharding_plan keys {sorted(unknown)} unknown: use 'parameter' and 'forward'"
-        )
-    params = dict(sharding_plan.get("parameter", {}))
-    names = dict(module.named_parameters())
-    for name, lay in params.items():
-        if name not in names:
-            raise LayoutError(
-                f"sharding_plan['parameter'] names {name!r}, which is not a parameter of "
-                f"{type(module).__name__}: it has {sorted(names)}"
-            )
-        if not isinstance(lay, Layout) or lay.tensor_map is None:
-            raise LayoutError(f"sharding_plan['parameter'][{name!r}] must be a bound Layout")
-        if len(lay.tensor_map) != names[name].ndim:
-            raise LayoutError(
-                f"Layout for {name!r} has {len(lay.tensor_map)} dims, the parameter has "
-                f"{names[name].ndim}"
-            )
-    fwd = dict(sharding_plan.get("forward", {}))
+    from .parallel._style import _is_ms_cell
+
+    if _is_ms_cell(module):
+        from ._backend._ms_shard import shard_cell
+
+        names = {n: p.ndim for n, p in module.parameters_and_names()}
+        params, fwd = check_sharding_plan(sharding_plan, names, type(module).__name__)
+        return shard_cell(module, params, fwd)
+    names = {n: p.ndim for n, p in module.named_parameters()}
+    params, fwd = check_sharding_plan(sharding_plan, names, type(module).__name__)
     for name, lay in params.items():
         mod_name, _, pname = name.rpartition(".")
         sub = module.get_submodule(mod_name)

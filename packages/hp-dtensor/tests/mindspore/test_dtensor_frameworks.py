@@ -182,9 +182,12 @@ def _block_arrays():
     return w, x, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), g
 
 
-def _torch_block(w, x, cos, sin, g, mesh=None, plan=None):
+def _torch_block(w, x, cos, sin, g, mesh=None, plan=None, seq=False):
+    """Output, parameter gradients and input gradient; with ``seq`` the block takes this rank's
+    sequence shard as a Shard(1) DTensor and returns its local output."""
     import torch
 
+    import hp_dtensor as hp
     from hp_dtensor.parallel import parallelize_module
     from hp_testing.models import Block
 
@@ -193,7 +196,9 @@ def _torch_block(w, x, cos, sin, g, mesh=None, plan=None):
     if plan is not None:
         parallelize_module(block, mesh, plan)
     xt = torch.tensor(x, requires_grad=True)
-    out = block(xt, torch.tensor(cos), torch.tensor(sin))
+    xin = hp.DTensor.from_local(xt, mesh, [hp.Shard(1)]) if seq else xt
+    out = block(xin, torch.tensor(cos), torch.tensor(sin))
+    out = out.to_local() if seq else out
     (out * torch.tensor(g)).sum().backward()
     grads = {}
     for name, p in block.named_parameters():
@@ -202,10 +207,12 @@ def _torch_block(w, x, cos, sin, g, mesh=None, plan=None):
     return out.detach().numpy(), grads, xt.grad.numpy()
 
 
-def _ms_block(w, x, cos, sin, g, mesh=None, plan=None):
+def _ms_block(w, x, cos, sin, g, mesh=None, plan=None, seq=False):
+    """As ``_torch_block``, on MindSpore."""
     import mindspore as ms
     from ms_llama import Block
 
+    import hp_dtensor as hp
     from hp_dtensor.parallel import parallelize_module
 
     block = Block(DIM, HEADS, KV, HIDDEN)
@@ -216,11 +223,16 @@ def _ms_block(w, x, cos, sin, g, mesh=None, plan=None):
     params = block.trainable_params()
     c, s_, gt = ms.Tensor(cos), ms.Tensor(sin), ms.Tensor(g)
 
+    def run(v):
+        if not seq:
+            return block(v, c, s_)
+        return block(hp.DTensor.from_local(v, mesh, [hp.Shard(1)]), c, s_).to_local()
+
     def loss(v):
-        return (block(v, c, s_) * gt).sum()
+        return (run(v) * gt).sum()
 
     xt = ms.Tensor(x)
-    out = block(xt, c, s_).asnumpy()
+    out = run(xt).asnumpy()
     _, (dx, dws) = ms.value_and_grad(loss, grad_position=0, weights=params)(xt)
     return out, {p.name: d.asnumpy() for p, d in zip(params, dws)}, dx.asnumpy()
 
@@ -244,6 +256,42 @@ def _check_block(results):
         (ref_out, ref_g, ref_dx), (out, grads, dx) = res["ref"], res["tp"]
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == ref_g.keys()
+        for name, gr in grads.items():
+            mod, kind = name.split(".")
+            want = ref_g[name]
+            if mod in COLWISE:
+                want = _chunk(want, 0, rank)
+            elif mod in ROWWISE and kind == "weight":
+                want = _chunk(want, 1, rank)
+            np.testing.assert_allclose(gr, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def sp_block_body(framework: str):
+    """The block with TP=2 and sequence parallelism: norms on sequence shards
+    (SequenceParallel), q/k/v/w1/w3 gathering the sequence, wo/w2 reduce-scattering it; the
+    block takes and returns this rank's half of the sequence."""
+    import hp_dtensor as hp
+    from hp_dtensor import Shard
+    from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    mesh = hp.init_device_mesh("cpu", (WORLD,))
+    rank = mesh.get_coordinate()[0]
+    plan = {n: SequenceParallel() for n in ("attention_norm", "ffn_norm")}
+    plan |= {n: ColwiseParallel(input_layouts=Shard(1)) for n in COLWISE}
+    # the residual stream stays a Shard(1) DTensor: the block reads its (global) shape
+    plan |= {n: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for n in ROWWISE}
+    run = {"torch": _torch_block, "mindspore": _ms_block}[framework]
+    w, x, cos, sin, g = _block_arrays()
+    local = (w, _chunk(x, 1, rank), cos, sin, _chunk(g, 1, rank))
+    return {"ref": run(w, x, cos, sin, g), "sp": run(*local, mesh=mesh, plan=plan, seq=True)}
+
+
+def _check_sp_block(results):
+    for rank, res in enumerate(results):
+        (ref_out, ref_g, ref_dx), (out, grads, dx) = res["ref"], res["sp"]
+        np.testing.assert_allclose(out, _chunk(ref_out, 1, rank), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dx, _chunk(ref_dx, 1, rank), rtol=1e-5, atol=1e-5)
         assert grads.keys() == ref_g.keys()
         for name, gr in grads.items():
             mod, kind = name.split(".")
@@ -445,6 +493,28 @@ def test_llama_block_tp2_matches_one_rank(framework, request, tmp_path):
 
 
 _BLOCK: dict[str, list] = {}
+
+
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_llama_block_tp2_sequence_parallel_matches_one_rank(framework, request, tmp_path):
+    results = run_framework(framework, request, tmp_path, sp_block_body, framework)
+    _check_sp_block(results)
+    _SP[framework] = results
+
+
+_SP: dict[str, list] = {}
+
+
+def test_sequence_parallel_block_same_in_both_frameworks():
+    """TP + SP on the same weights and inputs: both frameworks' shards and gradients agree."""
+    if len(_SP) < 2:
+        pytest.skip("needs both frameworks' runs in this session (nox -s tests_mindspore)")
+    for rank in range(WORLD):
+        t, m = _SP["torch"][rank]["sp"], _SP["mindspore"][rank]["sp"]
+        np.testing.assert_allclose(m[0], t[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(m[2], t[2], rtol=1e-5, atol=1e-5)
+        for name in t[1]:
+            np.testing.assert_allclose(m[1][name], t[1][name], rtol=1e-5, atol=1e-5)
 
 
 def test_llama_block_same_in_both_frameworks():

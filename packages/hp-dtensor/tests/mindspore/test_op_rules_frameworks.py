@@ -24,9 +24,9 @@ from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool2 = rank_pool_fixture(2)
 
-B, S, DIM, HEADS, HIDDEN = 2, 4, 8, 2, 12
-NAMES = ("g", "w1", "w2", "w3", "wk", "wo", "wq", "wv")
-COLWISE = ("wq", "wk", "wv", "w1", "w3")  # weight rows split: Shard(0)
+B, S, DIM, HEADS, HIDDEN, VOCAB = 2, 4, 8, 2, 12, 10
+NAMES = ("emb", "g", "out", "w1", "w2", "w3", "wk", "wo", "wq", "wv")
+COLWISE = ("wq", "wk", "wv", "w1", "w3", "out")  # weight rows split: Shard(0)
 ROWWISE = ("wo", "w2")  # weight columns split: Shard(1)
 
 
@@ -34,34 +34,52 @@ def _arrays():
     rng = np.random.default_rng(3)
     shapes = {n: (DIM, DIM) for n in ("wq", "wk", "wv", "wo")}
     shapes.update(w1=(HIDDEN, DIM), w3=(HIDDEN, DIM), w2=(DIM, HIDDEN), g=(DIM,))
+    shapes.update(emb=(VOCAB, DIM), out=(VOCAB, DIM))
     w = {n: (0.3 * rng.standard_normal(shapes[n])).astype(np.float32) for n in NAMES}
     w["g"] = 1 + w["g"]
-    x = rng.standard_normal((B, S, DIM)).astype(np.float32)
-    return w, x
-
-
-def _block(o, x, w):
-    """Scalar loss of one block; ``o`` is the ops namespace, ``w`` the weights by name."""
+    w["emb"] = 3 * w["emb"]
+    ids = rng.integers(0, VOCAB, (B, S)).astype(np.int64)
+    targets = rng.integers(0, VOCAB, (B, S)).astype(np.int64)
     hd = DIM // HEADS
+    ang = np.outer(np.arange(S), 1.0 / 100 ** (np.arange(0, hd, 2) / hd))
+    ang = np.concatenate([ang, ang], -1).astype(np.float32)
+    return w, ids, targets, np.cos(ang), np.sin(ang)
+
+
+def _model(o, ids, targets, cos, sin, w):
+    """Loss of a one-block Llama-style model; ``o`` is the ops namespace, ``w`` the weights by
+    name: embedding, RMSNorm, attention with rotary embeddings, SwiGLU, logits, cross-entropy."""
+    hd = DIM // HEADS
+    x = o.embedding(ids, w["emb"])
     h = x * o.rsqrt(o.mean(x * x, -1, True) + 1e-6) * w["g"]
 
-    def heads(name):
-        return o.transpose(o.reshape(o.linear(h, w[name]), (B, S, HEADS, hd)), 1, 2)
+    def heads(name, rope):
+        t = o.transpose(o.reshape(o.linear(h, w[name]), (B, S, HEADS, hd)), 1, 2)
+        if rope:  # rotate_half by slicing and concatenation
+            half = o.cat([-t[..., hd // 2 :], t[..., : hd // 2]], -1)
+            t = t * cos + half * sin
+        return t
 
-    q, k, v = heads("wq"), heads("wk"), heads("wv")
+    q, k, v = heads("wq", True), heads("wk", True), heads("wv", False)
     p = o.softmax(o.matmul(q, o.transpose(k, 2, 3)) * hd**-0.5, -1)
     a = o.reshape(o.transpose(o.matmul(p, v), 1, 2), (B, S, DIM))
     x = x + o.linear(a, w["wo"])
     y = x + o.linear(o.silu(o.linear(x, w["w1"])) * o.linear(x, w["w3"]), w["w2"])
-    return o.mean(y * y)
+    logits = o.reshape(o.linear(y, w["out"]), (B * S, VOCAB))
+    return o.cross_entropy(logits, o.reshape(targets, (B * S,)))
 
 
-def _placements():
+def _configs():
+    """Placements of the weights and of the inputs (ids, targets, cos, sin) per config."""
     from hp_dtensor import Replicate, Shard
 
-    pl = {n: Shard(0) for n in COLWISE} | {n: Shard(1) for n in ROWWISE}
-    pl["g"] = Replicate()
-    return pl
+    tp = {n: Shard(0) for n in COLWISE} | {n: Shard(1) for n in ROWWISE}
+    tp.update(g=Replicate(), emb=Shard(0))  # the embedding table split by vocabulary rows
+    dp = dict.fromkeys(NAMES, Replicate())
+    return {
+        "tp": (tp, (Replicate(), Replicate())),  # logits and loss split by vocabulary
+        "dp": (dp, (Shard(0), Shard(0))),  # samples split: the loss mean counts every rank's
+    }
 
 
 class _Torch:
@@ -73,6 +91,7 @@ class _Torch:
         return types.SimpleNamespace(
             rsqrt=torch.rsqrt, mean=torch.mean, linear=F.linear, reshape=torch.reshape,
             transpose=torch.transpose, softmax=F.softmax, matmul=torch.matmul, silu=F.silu,
+            embedding=F.embedding, cross_entropy=F.cross_entropy, cat=torch.cat,
         )  # fmt: skip
 
     @staticmethod
@@ -125,30 +144,36 @@ class _MindSpore:
 
 
 def ops_body(framework: str):
-    """The block on whole tensors and on DTensors; an uneven case; the mixed-argument error."""
+    """The model on whole tensors and on DTensors (two configs); a Partial(avg) mean and an
+    uneven split; the mixed-argument error."""
     import hp_dtensor as hp
     from hp_dtensor import Replicate, Shard
 
     fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
     o = fw.ops()
     mesh = hp.init_device_mesh("cpu", (2,))
-    w, x = _arrays()
-    pl = _placements()
-    whole = [x] + [w[n] for n in NAMES]
-    out = {"ref": fw.grads(lambda xv, *ws: _block(o, xv, dict(zip(NAMES, ws))), whole)}
-    locs = [
-        fw.numpy(hp.distribute_tensor(fw.tensor(w[n]), mesh, [pl[n]]).to_local()) for n in NAMES
-    ]
+    w, ids, targets, cos, sin = _arrays()
+    data = [fw.tensor(a) for a in (ids, targets, cos, sin)]
 
-    def par(xv, *ls):
-        X = hp.DTensor.from_local(xv, mesh, [Replicate()])
-        W = {n: hp.DTensor.from_local(loc, mesh, [pl[n]]) for n, loc in zip(NAMES, ls)}
-        return _block(o, X, W).full_tensor()
+    def whole(*ws):
+        return _model(o, *data, dict(zip(NAMES, ws)))
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["dtensor"] = fw.grads(par, [x] + locs)
-    out["fallbacks"] = [str(c.message) for c in caught if "gathered" in str(c.message)]
+    out = {"ref": fw.grads(whole, [w[n] for n in NAMES])}
+    for cfg, (pl, (ids_pl, tgt_pl)) in _configs().items():
+        shards = [hp.distribute_tensor(fw.tensor(w[n]), mesh, [pl[n]]) for n in NAMES]
+        locs = [fw.numpy(d.to_local()) for d in shards]
+        ins = (ids_pl, tgt_pl, Replicate(), Replicate())
+        din = [hp.distribute_tensor(t, mesh, [p]).to_local() for t, p in zip(data, ins)]
+
+        def par(*ls, pl=pl, din=din, ins=ins):
+            W = {n: hp.DTensor.from_local(loc, mesh, [pl[n]]) for n, loc in zip(NAMES, ls)}
+            D = [hp.DTensor.from_local(t, mesh, [p]) for t, p in zip(din, ins)]
+            return _model(o, *D, W).full_tensor()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[cfg] = fw.grads(par, locs)
+        out[cfg, "fallbacks"] = [str(c.message) for c in caught if "gathered" in str(c.message)]
 
     # a mean over a split dim (a Partial(avg) result) on 4 rows over 2 ranks; on 5 rows torch
     # places the ops by their rules and MindSpore gathers (with a warning)
@@ -167,7 +192,7 @@ def ops_body(framework: str):
             out["whole", rows] = fw.grads(lambda v: o.mean(o.silu(v) * v - 1.0), [u])
         out["gathered", rows] = any("unevenly" in str(c.message) for c in caught)
     out["framework"] = framework
-    d = hp.DTensor.from_local(fw.tensor(x), mesh, [Replicate()])
+    d = hp.DTensor.from_local(fw.tensor(w["wq"]), mesh, [Replicate()])
     try:
         o.matmul(d, fw.tensor(w["wq"]))
         out["mixed"] = None
@@ -181,18 +206,18 @@ def _chunk(a, dim, rank):
 
 
 def _check(results):
+    configs = _configs()
     for rank, res in enumerate(results):
-        (ref_loss, ref_g), (loss, g) = res["ref"], res["dtensor"]
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        np.testing.assert_allclose(g[0], ref_g[0], rtol=1e-5, atol=1e-6, err_msg="input")
-        for i, name in enumerate(NAMES, 1):
-            want = ref_g[i]
-            if name in COLWISE:
-                want = _chunk(want, 0, rank)
-            elif name in ROWWISE:
-                want = _chunk(want, 1, rank)
-            np.testing.assert_allclose(g[i], want, rtol=1e-5, atol=1e-6, err_msg=name)
-        assert res["fallbacks"] == [], res["fallbacks"]
+        ref_loss, ref_g = res["ref"]
+        for cfg, (pl, _) in configs.items():
+            loss, g = res[cfg]
+            np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=cfg)
+            for name, got, want in zip(NAMES, g, ref_g):
+                sharded = [p.dim for p in (pl[name],) if type(p).__name__ == "Shard"]
+                if sharded:
+                    want = _chunk(want, sharded[0], rank)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=(cfg, name))
+            assert res[cfg, "fallbacks"] == [], res[cfg, "fallbacks"]
         for rows in (4, 5):
             (uv, ug), (rv, rg) = res["split", rows], res["whole", rows]
             top = (rows + 1) // 2
@@ -208,7 +233,7 @@ _RESULTS: dict[str, list] = {}
 
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
-def test_llama_block_on_dtensor_ops_matches_whole_tensors(framework, request, tmp_path):
+def test_llama_model_on_dtensor_ops_matches_whole_tensors(framework, request, tmp_path):
     results = run_framework(framework, request, tmp_path, ops_body, framework)
     _check(results)
     _RESULTS[framework] = results
@@ -221,7 +246,150 @@ def test_dtensor_ops_same_in_both_frameworks():
         pytest.skip("needs both frameworks' runs in this session (nox -s tests_mindspore)")
     for rank in range(2):
         t, m = _RESULTS["torch"][rank], _RESULTS["mindspore"][rank]
-        for key in ("ref", "dtensor", ("split", 4), ("split", 5)):
+        for key in ("ref", "tp", "dp", ("split", 4), ("split", 5)):
             np.testing.assert_allclose(m[key][0], t[key][0], rtol=1e-5, err_msg=str(key))
             for a, b in zip(m[key][1], t[key][1]):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(key))
+
+
+# -- shard_module with Layout plans: the same plan on a torch module and a MindSpore cell ------
+def _mlp_arrays():
+    rng = np.random.default_rng(11)
+    w = {
+        "norm": (1 + 0.1 * rng.standard_normal(DIM)).astype(np.float32),
+        "w1": (0.3 * rng.standard_normal((HIDDEN, DIM))).astype(np.float32),
+        "w2": (0.3 * rng.standard_normal((DIM, HIDDEN))).astype(np.float32),
+    }
+    x = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    g = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    return w, x, g
+
+
+def _mlp(o, x, norm, w1, w2):
+    h = x * o.rsqrt(o.mean(x * x, -1, True) + 1e-6) * norm
+    return x + o.linear(o.silu(o.linear(h, w1)), w2)
+
+
+def _torch_mlp(w, x, g, plan=None):
+    import torch
+
+    o = _Torch.ops()
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for n, a in w.items():
+                self.register_parameter(n, torch.nn.Parameter(torch.tensor(a)))
+
+        def forward(self, v):
+            return _mlp(o, v, self.norm, self.w1, self.w2)
+
+    model = MLP()
+    if plan is not None:
+        from hp_dtensor import shard_module
+
+        shard_module(model, plan)
+    xt = torch.tensor(x, requires_grad=True)
+    out = model(xt)
+    (out * torch.tensor(g)).sum().backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        grads[n] = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numpy()
+    return out.detach().numpy(), grads, xt.grad.numpy()
+
+
+def _ms_mlp(w, x, g, plan=None):
+    import mindspore as ms
+    from mindspore import nn
+
+    o = _MindSpore.ops()
+
+    class MLP(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.norm = ms.Parameter(ms.Tensor(w["norm"]), name="norm")
+            self.w1 = ms.Parameter(ms.Tensor(w["w1"]), name="w1")
+            self.w2 = ms.Parameter(ms.Tensor(w["w2"]), name="w2")
+
+        def construct(self, v):
+            return _mlp(o, v, self.norm, self.w1, self.w2)
+
+    model = MLP()
+    if plan is not None:
+        from hp_dtensor import shard_module
+
+        shard_module(model, plan)
+    params = model.trainable_params()
+    gt = ms.Tensor(g)
+
+    def loss(v):
+        return (model(v) * gt).sum()
+
+    xt = ms.Tensor(x)
+    out = model(xt).asnumpy()
+    _, (dx, dws) = ms.value_and_grad(loss, grad_position=0, weights=params)(xt)
+    return out, {p.name: d.asnumpy() for p, d in zip(params, dws)}, dx.asnumpy()
+
+
+def shard_module_body(framework: str):
+    """The MLP whole (the reference) and under a Layout plan: outputs, local gradients, input
+    gradient; then the plan errors."""
+    import hp_dtensor as hp
+    from hp_dtensor import Layout
+
+    hp.init_device_mesh("cpu", (2,))
+    lay = Layout((2,), ("tp",))
+    rep3 = lay("None", "None", "None")
+    plan = {
+        "parameter": {"w1": lay("tp", "None"), "w2": lay("None", "tp"), "norm": lay("None")},
+        "forward": {"input": (rep3,), "output": (rep3,), "use_local_output": True},
+    }
+    run = {"torch": _torch_mlp, "mindspore": _ms_mlp}[framework]
+    w, x, g = _mlp_arrays()
+    out = {"ref": run(w, x, g), "sharded": run(w, x, g, plan)}
+    for key, bad in {
+        "unknown": {"parameter": {"w9": lay("tp", "None")}},
+        "rank": {"parameter": {"w1": lay("tp")}},
+        "keys": {"params": {}},
+    }.items():
+        try:
+            run(w, x, g, bad)
+            out[key] = None
+        except hp.HPDTensorError as e:
+            out[key] = (type(e).__name__, str(e))
+    return out
+
+
+def _check_shard_module(results):
+    for rank, res in enumerate(results):
+        (ref_out, ref_g, ref_dx), (o, gr, dx) = res["ref"], res["sharded"]
+        np.testing.assert_allclose(o, ref_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gr["w1"], _chunk(ref_g["w1"], 0, rank), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gr["w2"], _chunk(ref_g["w2"], 1, rank), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gr["norm"], ref_g["norm"], rtol=1e-5, atol=1e-6)
+        assert res["unknown"][0] == "LayoutError" and "'w9'" in res["unknown"][1]
+        assert res["rank"][0] == "LayoutError" and "has 1 dims" in res["rank"][1]
+        assert res["keys"][0] == "LayoutError" and "params" in res["keys"][1]
+
+
+_SHARD: dict[str, list] = {}
+
+
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_shard_module_layout_plan_matches_whole_model(framework, request, tmp_path):
+    results = run_framework(framework, request, tmp_path, shard_module_body, framework)
+    _check_shard_module(results)
+    _SHARD[framework] = results
+
+
+def test_shard_module_same_in_both_frameworks():
+    """The same plan on the same weights: both frameworks' outputs and local gradients agree."""
+    if len(_SHARD) < 2:
+        pytest.skip("needs both frameworks' runs in this session (nox -s tests_mindspore)")
+    for rank in range(2):
+        t, m = _SHARD["torch"][rank]["sharded"], _SHARD["mindspore"][rank]["sharded"]
+        np.testing.assert_allclose(m[0], t[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(m[2], t[2], rtol=1e-5, atol=1e-6)
+        for name in t[1]:
+            np.testing.assert_allclose(m[1][name], t[1][name], rtol=1e-4, atol=1e-6)

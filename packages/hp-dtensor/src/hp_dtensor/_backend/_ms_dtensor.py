@@ -275,6 +275,9 @@ class MSDTensor:
     def __matmul__(self, other):
         return _ms_ops.matmul(self, other)
 
+    def __getitem__(self, key):
+        return _ms_ops.call_op("__getitem__", operator.getitem, self, key)
+
     def reshape(self, *shape):
         """The same elements in global shape ``shape`` (local view when the split allows)."""
         return _ms_ops.reshape(self, _shape_arg(shape))

@@ -31,14 +31,15 @@ dimensions whole or, for views, name the global shape themselves.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import mindspore as ms
 import mindspore.mint.nn.functional as F
-from mindspore import mint, nn
+from mindspore import mint, nn, ops
 
 from .._placement import Partial, Replicate, Shard
-from .._rules import Call, TensorMeta, get_sharding_rule
+from .._rules import Call, SliceKey, TensorMeta, get_sharding_rule
 from .._shard_math import is_evenly_sharded, local_shape_and_offset
 from .._spec import DTensorSpec, contiguous_strides
 from ..errors import ShardingError
@@ -48,6 +49,10 @@ from ._ms_dtensor import MSDTensor, partial_adapters
 __all__ = [
     "add",
     "call_op",
+    "cat",
+    "cross_entropy",
+    "embedding",
+    "log_softmax",
     "div",
     "exp",
     "linear",
@@ -66,6 +71,166 @@ __all__ = [
     "transpose",
     "view",
 ]
+
+
+class _SumAcross(nn.Cell):
+    """All-reduce (sum) over ``groups`` forward; identity backward: every rank goes on with
+    the same (replicated) sum, so each rank's own term receives the whole gradient."""
+
+    def __init__(self, platform, groups) -> None:
+        super().__init__(auto_prefix=False)
+        self._platform, self._groups = platform, groups
+
+    def construct(self, x):
+        out = self._platform.clone(x)
+        for g in self._groups:
+            self._platform.all_reduce(out, "sum", g)
+        return out
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+def _embedding(
+    input,
+    weight,
+    padding_idx=None,
+    max_norm=None,
+    norm_type=2.0,
+    scale_grad_by_freq=False,
+    sparse=False,
+):
+    """``F.embedding`` on MindSpore tensors (a row gather; ``mint``'s kernel is missing on
+    CPU). ``padding_idx`` rows get no gradient, as in torch."""
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise ValueError(
+            "embedding on MindSpore: max_norm, scale_grad_by_freq and sparse are not supported; "
+            "leave them at their defaults"
+        )
+    out = ops.gather(weight, input, 0)
+    if padding_idx is not None:
+        pad = padding_idx % weight.shape[0]
+        frozen = ops.gather(ops.stop_gradient(weight), input, 0)
+        out = mint.where((input == pad).expand_dims(-1), frozen, out)
+    return out
+
+
+def _log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """``log_softmax`` from differentiable pieces (``mint``'s kernel is missing on CPU)."""
+    x = input.astype(dtype) if dtype is not None else input
+    m = ops.stop_gradient(mint.amax(x, dim, True))
+    return x - m - mint.log(mint.exp(x - m).sum(dim, keepdim=True))
+
+
+def _class_loss_local(
+    x, target, ignore_index=-100, reduction="mean", *, platform=None, vocab=(), offset=0, den=()
+):
+    """Per-sample cross-entropy over logits ``x`` [N, C(local), ...] whose class dim may be
+    split over the ``vocab`` groups (this rank holds classes ``offset:offset + C``); then the
+    reduction, ``"mean"`` dividing by the valid targets counted over the ``den`` groups."""
+    xf = x.astype(ms.float32)
+    m = ops.stop_gradient(mint.amax(xf, 1, True))
+    if vocab:
+        m = platform.clone(m)
+        for g in vocab:
+            platform.all_reduce(m, "max", g)
+    s = mint.exp(xf - m).sum(1, keepdim=True)
+    if vocab:
+        s = _SumAcross(platform, vocab)(s)
+    lse = (m + mint.log(s)).squeeze(1)
+    valid = target != ignore_index
+    t = target * valid.astype(target.dtype)
+    local_t = t - offset
+    c = xf.shape[1]
+    inside = (local_t >= 0) & (local_t < c)
+    idx = mint.clamp(local_t, 0, c - 1).expand_dims(1)
+    picked = mint.gather(xf, 1, idx).squeeze(1) * inside.astype(xf.dtype)
+    if vocab:
+        picked = _SumAcross(platform, vocab)(picked)
+    per = (lse - picked) * valid.astype(xf.dtype)
+    if reduction == "none":
+        return per.astype(x.dtype)
+    total = per.sum()
+    if reduction == "sum":
+        return total.astype(x.dtype)
+    count = ops.stop_gradient(valid.astype(ms.float32).sum().reshape(1))
+    if den:
+        count = platform.clone(count)
+        for g in den:
+            platform.all_reduce(count, "sum", g)
+    return (total / count[0]).astype(x.dtype)
+
+
+_LOSS_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+_LOSS_ARGS += ("label_smoothing",)
+
+
+def _loss_args(args, kwargs) -> dict:
+    vals = dict(zip(_LOSS_ARGS, args))
+    vals.update(kwargs)
+    for key, default in (("weight", None), ("label_smoothing", 0.0)):
+        if vals.get(key, default) not in (None, 0.0):
+            raise ValueError(
+                f"cross_entropy on MindSpore: {key}={vals[key]!r} is not supported yet; "
+                "leave it at its default"
+            )
+    for key in ("size_average", "reduce"):
+        if vals.get(key) is not None:
+            raise ValueError(f"cross_entropy: {key} is deprecated; use reduction=")
+    return vals
+
+
+def _cross_entropy(*args, **kwargs):
+    """``F.cross_entropy`` with class-index targets on MindSpore tensors (composed from
+    differentiable pieces; ``mint``'s kernel is missing on CPU)."""
+    v = _loss_args(args, kwargs)
+    return _class_loss_local(
+        v["input"], v["target"], v.get("ignore_index", -100), v.get("reduction", "mean")
+    )
+
+
+def _mesh_groups(mesh, placements, pred):
+    return tuple(mesh._groups[m] for m, p in enumerate(placements) if pred(p) and mesh.shape[m] > 1)
+
+
+def _k_embedding_vocab(fn, largs, lkwargs, specs, out_pl, mesh):
+    """Row-split (vocabulary-parallel) table: ids outside this rank's rows give zeros; the
+    Partial(sum) output adds up to the whole lookup."""
+    ids, w = largs[0], largs[1]
+    if len(largs) > 2 or lkwargs:
+        raise ValueError("embedding on MindSpore with a row-split table takes no options")
+    rows = w.shape[0]
+    start = specs[1].local_shape_and_offset()[1][0]
+    outside = (ids < start) | (ids >= start + rows)
+    local = (ids - start) * (~outside).astype(ids.dtype)
+    return ops.gather(w, local, 0) * (~outside).astype(w.dtype).expand_dims(-1)
+
+
+def _k_class_loss(fn, largs, lkwargs, specs, out_pl, mesh):
+    """cross_entropy with sharded samples and/or classes (``loss_rule``)."""
+    v = _loss_args(largs, lkwargs)
+    xspec = specs[0]
+    platform = get_platform(mesh.device_type)
+    vocab = _mesh_groups(mesh, xspec.placements, lambda p: type(p) is Shard and p.dim == 1)
+    den = _mesh_groups(mesh, out_pl, lambda p: type(p) is Partial)
+    offset = xspec.local_shape_and_offset()[1][1]
+    return _class_loss_local(
+        v["input"],
+        v["target"],
+        v.get("ignore_index", -100),
+        v.get("reduction", "mean"),
+        platform=platform,
+        vocab=vocab,
+        offset=offset,
+        den=den,
+    )
+
+
+#: the rules' named local kernels that have a MindSpore version here ("reshape" is inline)
+_MS_KERNELS = {"embedding_vocab": _k_embedding_vocab, "class_loss": _k_class_loss}
+#: the ops whose rules may ask for them
+_KERNEL_OPS = {"embedding_vocab": {"embedding"}, "class_loss": {"cross_entropy"}}
+
 
 #: op name (the torch name its rule is registered under) -> the MindSpore op on local tensors
 _MS_OPS = {
@@ -87,6 +252,11 @@ _MS_OPS = {
     "view": mint.reshape,
     "transpose": mint.transpose,
     "permute": mint.permute,
+    "embedding": _embedding,
+    "cross_entropy": _cross_entropy,
+    "log_softmax": _log_softmax,
+    "cat": mint.cat,
+    "__getitem__": operator.getitem,
 }
 #: ops whose result is a view with global sizes in the arguments
 _RESHAPES = frozenset({"reshape", "view"})
@@ -171,6 +341,15 @@ def _check_operands(name: str, args, kwargs, dts) -> None:
         plain(a)
 
 
+def _rule_arg(a):
+    """Slices as the rules see them (``SliceKey``), also inside index tuples."""
+    if isinstance(a, slice):
+        return SliceKey(a.start, a.stop, a.step)
+    if type(a) is tuple:
+        return tuple(_rule_arg(b) for b in a)
+    return a
+
+
 def _global_shape(local_shape, mesh, placements) -> tuple[int, ...]:
     shape = list(local_shape)
     for m, p in enumerate(placements):
@@ -238,6 +417,7 @@ def call_op(name: str, fn, *args, **kwargs):
         return _fallback(name, fn, args, kwargs, dts, rebuild, why)
     metas = [TensorMeta(d.shape, d.placements) for d in dts]
     cargs, ckwargs = rebuild(metas)
+    cargs = tuple(_rule_arg(a) for a in cargs)
     call = Call(name, cargs, ckwargs, mesh.shape, metas, {})
     try:
         strategy = rule(call)
@@ -245,8 +425,11 @@ def call_op(name: str, fn, *args, **kwargs):
         strategy = None
     if (
         strategy is None
-        or strategy.kernel not in (None, "reshape")
         or (strategy.kernel == "reshape" and name not in _RESHAPES)
+        or (
+            strategy.kernel not in (None, "reshape")
+            and name not in _KERNEL_OPS.get(strategy.kernel, ())
+        )
         or isinstance(strategy.output, list)
     ):
         why = "its rule declined these placements or needs a torch-only local kernel"
@@ -263,6 +446,9 @@ def call_op(name: str, fn, *args, **kwargs):
     locals_ = []
     for d in moved:
         loc = d.to_local()
+        if not ms.ops.is_floating_point(loc):  # ids and targets carry no gradient
+            locals_.append(loc)
+            continue
         dims = []
         for m, p in enumerate(d.placements):
             o = out_pl[m]
@@ -282,7 +468,11 @@ def call_op(name: str, fn, *args, **kwargs):
         spec = DTensorSpec(mesh, out_pl, gshape, contiguous_strides(gshape), out.dtype)
         return MSDTensor(out, spec)
     largs, lkwargs = rebuild(locals_)
-    out = fn(*largs, **lkwargs)
+    if strategy.kernel is not None:
+        specs = [d._spec for d in moved]
+        out = _MS_KERNELS[strategy.kernel](fn, largs, lkwargs, specs, out_pl, mesh)
+    else:
+        out = fn(*largs, **lkwargs)
     if not isinstance(out, ms.Tensor):
         why = "it returned several values"
         return _fallback(name, fn, args, kwargs, dts, rebuild, why)
@@ -326,6 +516,10 @@ matmul = _make("matmul")
 linear = _make("linear")
 softmax = _make("softmax")
 sum = _make("sum")  # noqa: A001 - mint's name
+embedding = _make("embedding")
+cross_entropy = _make("cross_entropy")
+log_softmax = _make("log_softmax")
+cat = _make("cat")
 mean = _make("mean")
 reshape = _make("reshape")
 transpose = _make("transpose")

@@ -28,7 +28,14 @@ from .._placement import Partial, Replicate, Shard
 from ..errors import PlacementError, ShardingError
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
-__all__ = ["apply_linear_style", "validate_linear_style"]
+__all__ = [
+    "apply_linear_style",
+    "apply_prepare_input",
+    "apply_prepare_output",
+    "apply_sequence_parallel",
+    "as_msdtensor",
+    "validate_linear_style",
+]
 
 
 def _split_size(cell, kind: str) -> tuple[str, int]:
@@ -58,11 +65,6 @@ def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
             f"RowwiseParallel on a MindSpore nn.Embedding ({where}) is not supported yet: use "
             "ColwiseParallel (embedding dim split) for it"
         )
-    if not style.use_local_output:
-        raise PlacementError(
-            f"{name}(use_local_output=False) on MindSpore: cells take and return plain tensors; "
-            "leave use_local_output=True"
-        )
     attr, size = _split_size(cell, kind)
     if size % mesh.size():
         raise PlacementError(
@@ -87,6 +89,18 @@ def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
                 f"ColwiseParallel(input_layouts={in_pl}) on {where}: token ids are replicated "
                 "or sharded, not partial"
             )
+
+
+def as_msdtensor(x, mesh, layout, desired):
+    """A cell input as an ``MSDTensor`` with ``desired`` placement: plain tensors are this
+    rank's piece laid out as ``layout``; DTensors are redistributed (``desired`` None: kept)."""
+    if not isinstance(x, MSDTensor):
+        if layout is None or not isinstance(x, ms.Tensor):
+            return x
+        x = MSDTensor.from_local(x, mesh, [layout])
+    if desired is not None and x.placements != (desired,):
+        x = x.redistribute(mesh, [desired])
+    return x
 
 
 def _shard_param(cell, name: str, mesh, placement) -> None:
@@ -126,12 +140,11 @@ def apply_linear_style(style, cell, mesh, kind: str):
 
     def pre(c, inputs):
         if embedding:  # the ids, replicated, are looked up in the local columns of the table
-            if isinstance(in_pl, Replicate):
+            if isinstance(in_pl, Replicate) and not isinstance(inputs[0], MSDTensor):
                 return None
-            ids = MSDTensor.from_local(inputs[0], mesh, [in_pl])
-            return (ids.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:])
-        x = MSDTensor.from_local(inputs[0], mesh, [in_pl])
-        x = x.redistribute(mesh, [desired]).to_local()
+            ids = as_msdtensor(inputs[0], mesh, in_pl, Replicate())
+            return (ids.to_local(), *inputs[1:])
+        x = as_msdtensor(inputs[0], mesh, in_pl, desired).to_local()
         if colwise:
             x = all_reduce_grad(x, mesh)
         return (x, *inputs[1:])
@@ -146,11 +159,104 @@ def apply_linear_style(style, cell, mesh, kind: str):
                 f"RowwiseParallel(output_layouts={out_pl}) shards the output's features, to "
                 "which the whole bias is added: shard another dim or replicate the output"
             )
-        y = y.redistribute(mesh, [out_pl]).to_local()
-        if bias is not None:
-            y = y + (all_reduce_grad(bias, mesh) if isinstance(out_pl, Shard) else bias)
-        return y
+        y = y.redistribute(mesh, [out_pl])
+        if bias is None:
+            return y.to_local() if style.use_local_output else y
+        local = y.to_local() + (all_reduce_grad(bias, mesh) if isinstance(out_pl, Shard) else bias)
+        if style.use_local_output:
+            return local
+        return MSDTensor.from_local(local, mesh, [out_pl], shape=y.shape)
 
     cell.register_forward_pre_hook(pre)
+    cell.register_forward_hook(post)
+    return cell
+
+
+# -- SequenceParallel, PrepareModuleInput / PrepareModuleOutput on cells ------------------------
+def apply_sequence_parallel(style, cell, mesh):
+    """The cell (a norm, dropout...) computes on the local sequence shard; its parameters stay
+    whole, and each forward reads them through an all-reduce of their gradient (each rank saw
+    part of the sequence, so its gradient is a partial sum). Output: a Shard(sequence_dim)
+    DTensor, or its local tensor with ``use_local_output``."""
+    seq = Shard(style.sequence_dim)
+    names = [n for n, p in cell._params.items() if p is not None and p.requires_grad]
+
+    def pre(c, inputs):
+        for n in names:  # this forward's reads of the parameter go through the adapter
+            c.__dict__[n] = all_reduce_grad(c._params[n], mesh)
+        x = as_msdtensor(inputs[0], mesh, seq, seq)
+        return (x.to_local() if isinstance(x, MSDTensor) else x, *inputs[1:])
+
+    def post(c, inputs, out):
+        for n in names:
+            c.__dict__.pop(n, None)
+        if not isinstance(out, ms.Tensor):
+            return out
+        y = MSDTensor.from_local(out, mesh, [seq], shape=_seq_shape(out, seq, mesh, inputs))
+        return y.to_local() if style.use_local_output else y
+
+    cell.register_forward_pre_hook(pre)
+    cell.register_forward_hook(post)
+    return cell
+
+
+def _seq_shape(out, seq, mesh, inputs):
+    shape = list(out.shape)
+    shape[seq.dim] *= mesh.size()
+    return tuple(shape)
+
+
+def _tuple(x):
+    if x is None:
+        return None
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def apply_prepare_input(style, cell, mesh):
+    """Inputs (and keyword inputs) annotated with their layouts and redistributed to the
+    desired ones; returned as local tensors with ``use_local_output``."""
+    ins = _tuple(style.input_layouts) or ()
+    des = _tuple(style.desired_input_layouts) or (None,) * len(ins)
+    kw_in = dict(style.input_kwarg_layouts or {})
+    kw_des = dict(style.desired_input_kwarg_layouts or {})
+    use_local = style.use_local_output
+
+    def convert(x, layout, desired):
+        out = as_msdtensor(x, mesh, layout, desired)
+        return out.to_local() if use_local and isinstance(out, MSDTensor) else out
+
+    def pre(c, args, kwargs):
+        new_args = tuple(
+            convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
+        )
+        new_kwargs = {
+            k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
+            for k, v in kwargs.items()
+        }
+        return new_args, new_kwargs
+
+    cell.register_forward_pre_hook(pre, with_kwargs=True)
+    return cell
+
+
+def apply_prepare_output(style, cell, mesh):
+    """Outputs annotated with ``output_layouts`` and redistributed to the desired ones;
+    returned as local tensors with ``use_local_output``."""
+    outs = _tuple(style.output_layouts) or ()
+    des = _tuple(style.desired_output_layouts) or (None,) * len(outs)
+    use_local = style.use_local_output
+
+    def post(c, inputs, out):
+        single = not isinstance(out, tuple)
+        items = (out,) if single else out
+        res = []
+        for i, o in enumerate(items):
+            if i < len(outs) and isinstance(o, (ms.Tensor, MSDTensor)):
+                o = as_msdtensor(o, mesh, outs[i], des[i])
+                if use_local and isinstance(o, MSDTensor):
+                    o = o.to_local()
+            res.append(o)
+        return res[0] if single else tuple(res)
+
     cell.register_forward_hook(post)
     return cell

@@ -39,12 +39,21 @@ class ParallelStyle:
         """Check, without communicating, that the style fits ``module``; raise otherwise."""
 
 
-def _torch_only(module, style: str, path: str) -> None:
-    if _is_ms_cell(module):
-        raise TypeError(
-            f"{style} on a MindSpore cell ({path or type(module).__name__}) is not supported "
-            "yet: MindSpore cells take ColwiseParallel and RowwiseParallel"
+def _mesh_matches(module, mesh: DeviceMesh, style: str, path: str) -> None:
+    framework = "mindspore" if _is_ms_cell(module) else "torch"
+    if getattr(mesh, "framework", "torch") != framework:
+        raise MeshError(
+            f"{style}: {path or type(module).__name__} is a {framework} "
+            f"{'cell' if framework == 'mindspore' else 'module'} but the mesh was built for "
+            f"{mesh.framework!r}: a mesh serves one framework"
         )
+
+
+def _ms_style(name: str):
+    """The MindSpore binding's implementation ``name`` (imported only for cells)."""
+    from .._backend import _ms_parallel
+
+    return getattr(_ms_parallel, name)
 
 
 def _one_d(mesh: DeviceMesh, style: str) -> None:
@@ -207,11 +216,13 @@ class SequenceParallel(ParallelStyle):
     use_local_output: bool = False
 
     def validate(self, module, device_mesh, path):
-        _torch_only(module, "SequenceParallel", path)
+        _mesh_matches(module, device_mesh, "SequenceParallel", path)
         _one_d(device_mesh, "SequenceParallel")
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
+        if _is_ms_cell(module):
+            return _ms_style("apply_sequence_parallel")(self, module, device_mesh)
         _replicate_rest(module, device_mesh)
         seq = Shard(self.sequence_dim)
         use_local = self.use_local_output
@@ -245,7 +256,7 @@ class PrepareModuleInput(ParallelStyle):
     use_local_output: bool = False
 
     def validate(self, module, device_mesh, path):
-        _torch_only(module, "PrepareModuleInput", path)
+        _mesh_matches(module, device_mesh, "PrepareModuleInput", path)
         _one_d(device_mesh, "PrepareModuleInput")
         ins, des = _tuple(self.input_layouts), _tuple(self.desired_input_layouts)
         if ins is not None and des is not None and len(ins) != len(des):
@@ -256,6 +267,8 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
+        if _is_ms_cell(module):
+            return _ms_style("apply_prepare_input")(self, module, device_mesh)
         ins = _tuple(self.input_layouts) or ()
         des = _tuple(self.desired_input_layouts) or (None,) * len(ins)
         kw_in = dict(self.input_kwarg_layouts or {})
@@ -290,7 +303,7 @@ class PrepareModuleOutput(ParallelStyle):
     use_local_output: bool = True
 
     def validate(self, module, device_mesh, path):
-        _torch_only(module, "PrepareModuleOutput", path)
+        _mesh_matches(module, device_mesh, "PrepareModuleOutput", path)
         _one_d(device_mesh, "PrepareModuleOutput")
         outs, des = _tuple(self.output_layouts), _tuple(self.desired_output_layouts)
         if outs is not None and des is not None and len(outs) != len(des):
@@ -301,6 +314,8 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
+        if _is_ms_cell(module):
+            return _ms_style("apply_prepare_output")(self, module, device_mesh)
         outs = _tuple(self.output_layouts) or ()
         des = _tuple(self.desired_output_layouts) or (None,) * len(outs)
         use_local = self.use_local_output
