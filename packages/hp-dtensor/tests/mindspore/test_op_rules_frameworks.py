@@ -48,7 +48,8 @@ def _arrays():
 
 def _model(o, ids, targets, cos, sin, w):
     """Loss of a one-block Llama-style model; ``o`` is the ops namespace, ``w`` the weights by
-    name: embedding, RMSNorm, attention with rotary embeddings, SwiGLU, logits, cross-entropy."""
+    name: embedding, RMSNorm (by hand, then rms_norm), attention with rotary embeddings, SwiGLU,
+    layer_norm, logits, cross-entropy."""
     hd = DIM // HEADS
     x = o.embedding(ids, w["emb"])
     h = x * o.rsqrt(o.mean(x * x, -1, True) + 1e-6) * w["g"]
@@ -64,8 +65,11 @@ def _model(o, ids, targets, cos, sin, w):
     p = o.softmax(o.matmul(q, o.transpose(k, 2, 3)) * hd**-0.5, -1)
     a = o.reshape(o.transpose(o.matmul(p, v), 1, 2), (B, S, DIM))
     x = x + o.linear(a, w["wo"])
-    y = x + o.linear(o.silu(o.linear(x, w["w1"])) * o.linear(x, w["w3"]), w["w2"])
-    logits = o.reshape(o.linear(y, w["out"]), (B * S, VOCAB))
+    h = o.rms_norm(x, (DIM,), w["g"], 1e-6)
+    y = x + o.linear(o.silu(o.linear(h, w["w1"])) * o.linear(h, w["w3"]), w["w2"])
+    logits = o.reshape(
+        o.linear(o.layer_norm(y, (DIM,), w["g"], None, 1e-5), w["out"]), (B * S, VOCAB)
+    )
     return o.cross_entropy(logits, o.reshape(targets, (B * S,)))
 
 
@@ -92,6 +96,7 @@ class _Torch:
             rsqrt=torch.rsqrt, mean=torch.mean, linear=F.linear, reshape=torch.reshape,
             transpose=torch.transpose, softmax=F.softmax, matmul=torch.matmul, silu=F.silu,
             embedding=F.embedding, cross_entropy=F.cross_entropy, cat=torch.cat,
+            rms_norm=F.rms_norm, layer_norm=F.layer_norm,
         )  # fmt: skip
 
     @staticmethod

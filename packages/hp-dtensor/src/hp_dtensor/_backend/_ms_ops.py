@@ -36,6 +36,7 @@ import warnings
 
 import mindspore as ms
 import mindspore.mint.nn.functional as F
+import numpy as np
 from mindspore import mint, nn, ops
 
 from .._placement import Partial, Replicate, Shard
@@ -52,6 +53,7 @@ __all__ = [
     "cat",
     "cross_entropy",
     "embedding",
+    "layer_norm",
     "log_softmax",
     "div",
     "exp",
@@ -62,6 +64,7 @@ __all__ = [
     "neg",
     "permute",
     "reshape",
+    "rms_norm",
     "rsqrt",
     "silu",
     "softmax",
@@ -161,6 +164,31 @@ def _class_loss_local(
     return (total / count[0]).astype(x.dtype)
 
 
+def _norm_dims(x, normalized_shape) -> tuple[int, ...]:
+    n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    return tuple(range(x.ndim - n, x.ndim))
+
+
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` from differentiable pieces (no MindSpore CPU kernel); ``eps`` None is
+    the dtype's machine epsilon, as in torch."""
+    if eps is None:
+        eps = float(np.finfo(ms.dtype_to_nptype(input.dtype)).eps)
+    dims = _norm_dims(input, normalized_shape)
+    out = input * mint.rsqrt(mint.mean(input * input, dims, True) + eps)
+    return out * weight if weight is not None else out
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm`` from differentiable pieces (``mint``'s kernel is missing on CPU)."""
+    dims = _norm_dims(input, normalized_shape)
+    centred = input - mint.mean(input, dims, True)
+    out = centred * mint.rsqrt(mint.mean(centred * centred, dims, True) + eps)
+    if weight is not None:
+        out = out * weight
+    return out + bias if bias is not None else out
+
+
 _LOSS_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
 _LOSS_ARGS += ("label_smoothing",)
 
@@ -255,6 +283,8 @@ _MS_OPS = {
     "embedding": _embedding,
     "cross_entropy": _cross_entropy,
     "log_softmax": _log_softmax,
+    "rms_norm": _rms_norm,
+    "layer_norm": _layer_norm,
     "cat": mint.cat,
     "__getitem__": operator.getitem,
 }
@@ -519,6 +549,8 @@ sum = _make("sum")  # noqa: A001 - mint's name
 embedding = _make("embedding")
 cross_entropy = _make("cross_entropy")
 log_softmax = _make("log_softmax")
+rms_norm = _make("rms_norm")
+layer_norm = _make("layer_norm")
 cat = _make("cat")
 mean = _make("mean")
 reshape = _make("reshape")
