@@ -460,16 +460,22 @@ def _plan_from_strategy(op: _Op, func, args, kwargs, paths, dts, strategy, mesh)
                 dims = tuple(x for x in dims if mesh.shape[x[0]] > 1)
                 if dims:
                     grad_fix.append((i, dims))
-    # outputs that become Partial(avg/max/min) here need a backward adapter
-    adapt = False
+    # outputs that become Partial(avg/max/min) here need a backward adapter on those mesh dims
+    made = []
     for o in all_out:
-        for m, p in enumerate(o):
-            if type(p) is Partial and p.reduce_op != "sum":
-                made_here = all(
+        made.append(
+            frozenset(
+                m
+                for m, p in enumerate(o)
+                if type(p) is Partial
+                and p.reduce_op != "sum"
+                and all(
                     type((t.placements if t is not None else d._spec.placements)[m]) is not Partial
                     for t, d in zip(targets, dts)
                 )
-                adapt = adapt or made_here
+            )
+        )
+    adapt = tuple(made) if any(made) else ()
     kernel = _kernels.get(strategy.kernel) if strategy.kernel else None
     gathered_in = any(d._spec.gathered for d in dts)
     gfd = dict(grad_fix)
@@ -606,16 +612,16 @@ class _Planned:
         if self.multi:
             res = []
             copy_view = self.op.view and any(t is not None for t in self.targets)
-            for o, s in zip(out, self.out):
-                if self.adapt:
-                    o = _partial_adapters(o, s, from_local=False)
+            for k, (o, s) in enumerate(zip(out, self.out)):
+                if self.adapt and self.adapt[k]:
+                    o = _partial_adapters(o, s, from_local=False, dims=self.adapt[k])
                 r = _make(o, s)
                 if copy_view:
                     r._gr = {_COPY_VIEW: True}
                 res.append(r)
             return type(out)(res) if isinstance(out, tuple) and not hasattr(out, "_fields") else res
         if self.adapt:
-            out = _partial_adapters(out, self.out, from_local=False)
+            out = _partial_adapters(out, self.out, from_local=False, dims=self.adapt[0])
         res = _make(out, self.out)
         if self.op.view and any(t is not None for t in self.targets):
             basic = self.op.name == "__getitem__" and len(args) == 2 and not kwargs

@@ -540,15 +540,21 @@ def _split_use_local(d: DTensor, dims):
     return local, tuple(keep)
 
 
-def _partial_adapters(local: torch.Tensor, spec: DTensorSpec, *, from_local: bool) -> torch.Tensor:
-    """Backward adapters for Partial(avg/max/min) values (NOTE [Gradient representation])."""
+def _partial_adapters(
+    local: torch.Tensor, spec: DTensorSpec, *, from_local: bool, dims=None
+) -> torch.Tensor:
+    """Backward adapters for Partial(avg/max/min) values (NOTE [Gradient representation]).
+
+    ``dims`` limits them to those mesh dims: an op's output needs them only where the op made
+    the partial value, not where a partial input passed through (its gradient is already in
+    the representation of the global value there)."""
     if not (torch.is_grad_enabled() and local.requires_grad) or not spec.has_partial():
         return local
     mesh = spec.mesh
     scale = 1.0
     extreme = []
     for d, p in enumerate(spec.placements):
-        if type(p) is Partial:
+        if type(p) is Partial and (dims is None or d in dims):
             if p.reduce_op == "avg":
                 scale /= mesh.shape[d]
             elif p.reduce_op in ("max", "min"):

@@ -57,6 +57,7 @@ def _cases():
     c["inplace_mul"] = (lambda x, y: (x * 1).mul_(y), [a, b], [[S0], [R]], False)
     c["inplace_add_partial"] = (lambda x, y: (x * 1).add_(y), [a, b], [[P], [P]], False)
     c["pointwise_2d"] = (lambda x, y: x * y + x, [a, b], [[S0, S1], [R, S1]], True)
+
     c["clone_to"] = (lambda x: x.clone().to(torch.float64).float(), [a], [[S1]], False)
     # reductions
     c["sum_all"] = (lambda x: x.sum(), [u], [[S0]], False)
@@ -300,3 +301,28 @@ def _placements_of_results():
 
 def test_rules_choose_communication_free_strategies(pool):
     assert pool.run(_placements_of_results)[0] == ["S(0)", "P(sum)", "S(1)", "P(sum)"]
+
+
+def _partial_avg_through_reductions():
+    """Gradients of the local pieces of a (Partial(avg), Shard(0)) tensor of 8 x 6 through
+    reductions: the global value is the average over mesh dim 0, so each local element enters
+    the global mean with weight 1 / (2 * 48), and a column sum of the row mean with 1 / (2 * 8).
+    """
+    from hp_dtensor import DTensor
+
+    mesh = _mesh(two_d=True)
+    grads = []
+    for reduce in (lambda x: x.mean(), lambda x: x.mean(0).sum()):
+        xl = _rand(4, 6).requires_grad_(True)
+        x = DTensor.from_local(xl, mesh, [Partial("avg"), S0], shape=(8, 6))
+        reduce(x).full_tensor().backward()
+        grads.append(sorted(set(xl.grad.flatten().tolist())))
+    return grads
+
+
+def test_partial_avg_input_through_a_reduction_made_partial_elsewhere(pool):
+    """The reduction makes Partial(avg) on mesh dim 1 only; the Partial(avg) that passes
+    through on mesh dim 0 must not scale the gradient a second time."""
+    for mean_all, mean_rows in pool.run(_partial_avg_through_reductions):
+        assert mean_all == pytest.approx([1 / 96]), mean_all
+        assert mean_rows == pytest.approx([1 / 16]), mean_rows

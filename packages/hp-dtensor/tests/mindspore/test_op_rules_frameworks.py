@@ -96,7 +96,7 @@ class _Torch:
             rsqrt=torch.rsqrt, mean=torch.mean, linear=F.linear, reshape=torch.reshape,
             transpose=torch.transpose, softmax=F.softmax, matmul=torch.matmul, silu=F.silu,
             embedding=F.embedding, cross_entropy=F.cross_entropy, cat=torch.cat,
-            rms_norm=F.rms_norm, layer_norm=F.layer_norm,
+            rms_norm=F.rms_norm, layer_norm=F.layer_norm, mul=torch.mul,
         )  # fmt: skip
 
     @staticmethod
@@ -398,3 +398,156 @@ def test_shard_module_same_in_both_frameworks():
         np.testing.assert_allclose(m[2], t[2], rtol=1e-5, atol=1e-6)
         for name in t[1]:
             np.testing.assert_allclose(m[1][name], t[1][name], rtol=1e-4, atol=1e-6)
+
+
+# -- review cases: scalar operands, plain loss targets, padded vocabulary-split lookups,
+# -- SequenceParallel over sub-cells with an uneven sequence and after a failed forward -------
+def extras_body(framework: str):
+    import hp_dtensor as hp
+    from hp_dtensor import Replicate, Shard
+    from hp_dtensor.parallel import SequenceParallel, parallelize_module
+
+    fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
+    o = fw.ops()
+    mesh = hp.init_device_mesh("cpu", (2,))
+    rank = mesh.get_coordinate()[0]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    table = rng.standard_normal((VOCAB, 4)).astype(np.float32)
+    ids = np.array([[0, 3, 7], [9, 0, 5]], dtype=np.int64)
+    tgt = np.array([1, 0, 3, 2, 1, 0], dtype=np.int64)
+    out = {}
+
+    # a 0-d tensor (a learnt scale) times a row-split tensor; its gradient sums every row
+    def scaled(xl, s):
+        d = hp.DTensor.from_local(xl, mesh, [Shard(0)])
+        return o.mean(o.mul(d, s) * d).full_tensor()
+
+    out["scale"] = fw.grads(scaled, [_chunk(x, 0, rank), np.float32(1.5)])
+    out["scale_ref"] = fw.grads(lambda v, s: o.mean(o.mul(v, s) * v), [x, np.float32(1.5)])
+
+    # a loss on row-split logits with plain (whole) targets, taken as replicated
+    t = fw.tensor(tgt)
+
+    def loss_plain_targets(xl):
+        return o.cross_entropy(hp.DTensor.from_local(xl, mesh, [Shard(0)]), t).full_tensor()
+
+    out["ce"] = fw.grads(loss_plain_targets, [_chunk(x, 0, rank)])
+    out["ce_ref"] = fw.grads(lambda v: o.cross_entropy(v, t), [x])
+
+    # a vocabulary-split table with a padding row (no gradient for it)
+    idt = fw.tensor(ids)
+
+    def lookup(wl):
+        w = hp.DTensor.from_local(wl, mesh, [Shard(0)])
+        ids_d = hp.DTensor.from_local(idt, mesh, [Replicate()])
+        e = o.embedding(ids_d, w, 7)
+        return o.mean(e * e).full_tensor()
+
+    out["emb"] = fw.grads(lookup, [_chunk(table, 0, rank)])
+    out["emb_ref"] = fw.grads(lambda w: o.mean(o.embedding(idt, w, 7) ** 2), [table])
+
+    # SequenceParallel on a wrapper whose child holds the weight; 5 positions over 2 ranks;
+    # a forward that raises first must leave the parameters as they were
+    seq = rng.standard_normal((1, 5, 4)).astype(np.float32)
+    gw = (1 + 0.1 * rng.standard_normal(4)).astype(np.float32)
+    net = _sp_net(framework, o, gw)
+    parallelize_module(net, mesh, SequenceParallel())
+    net.inner.fail = True
+    try:
+        net(hp.distribute_tensor(fw.tensor(seq), mesh, [Shard(1)]))
+    except RuntimeError:
+        pass
+    net.inner.fail = False
+    out["param_kept"] = type(net.inner.weight).__name__
+
+    def run_sp(v):
+        y = net(hp.distribute_tensor(v, mesh, [Shard(1)]))
+        return (y * y).sum().full_tensor()
+
+    out["sp"] = _param_grads(framework, run_sp, fw.tensor(seq), net)
+    ref = _sp_net(framework, o, gw)
+    out["sp_ref"] = _param_grads(framework, lambda v: (ref(v) ** 2).sum(), fw.tensor(seq), ref)
+    return out
+
+
+def _sp_net(framework, o, gw):
+    """A wrapper cell/module around a norm that owns the weight."""
+    if framework == "torch":
+        import torch
+
+        class Norm(torch.nn.Module):
+            fail = False
+
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.tensor(gw))
+
+            def forward(self, v):
+                if self.fail:
+                    raise RuntimeError("failing on purpose")
+                return o.rms_norm(v, (4,), self.weight, 1e-6)
+
+        class Wrap(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = Norm()
+
+            def forward(self, v):
+                return self.inner(v)
+
+        return Wrap()
+    import mindspore as ms
+    from mindspore import nn
+
+    class Norm(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fail = False
+            self.weight = ms.Parameter(ms.Tensor(gw), name="weight")
+
+        def construct(self, v):
+            if self.fail:
+                raise RuntimeError("failing on purpose")
+            return o.rms_norm(v, (4,), self.weight, 1e-6)
+
+    class Wrap(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.inner = Norm()
+
+        def construct(self, v):
+            return self.inner(v)
+
+    return Wrap()
+
+
+def _param_grads(framework, f, v, net):
+    """f(v) and its gradients with respect to ``net``'s parameters (whole; DTensors gathered)."""
+    if framework == "torch":
+        params = list(net.parameters())
+        y = f(v)
+        y.backward()
+        return float(y), [
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).numpy()
+            for p in params
+        ]
+    import mindspore as ms
+
+    y, gs = ms.value_and_grad(f, grad_position=None, weights=net.trainable_params())(v)
+    return float(y.asnumpy()), [g.asnumpy() for g in gs]
+
+
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_scalars_plain_targets_padding_and_sequence_parallel_cells(framework, request, tmp_path):
+    for rank, res in enumerate(run_framework(framework, request, tmp_path, extras_body, framework)):
+        for key in ("scale", "ce", "emb"):
+            (v, g), (rv, rg) = res[key], res[key + "_ref"]
+            np.testing.assert_allclose(v, rv, rtol=1e-5, err_msg=key)
+            local = [_chunk(rg[0], 0, rank)] + [a for a in rg[1:]]
+            for a, b in zip(g, local):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=key)
+        assert res["param_kept"] in ("Parameter", "DTensor"), res["param_kept"]
+        (v, g), (rv, rg) = res["sp"], res["sp_ref"]
+        np.testing.assert_allclose(v, rv, rtol=1e-5)
+        np.testing.assert_allclose(g[0], rg[0], rtol=1e-5, atol=1e-6)

@@ -269,6 +269,12 @@ class MSDTensor:
     def __rtruediv__(self, other):
         return _ms_ops.call_op("div", operator.truediv, other, self)
 
+    def __pow__(self, other):
+        return _ms_ops.call_op("pow", operator.pow, self, other)
+
+    def __rpow__(self, other):
+        return _ms_ops.call_op("pow", operator.pow, other, self)
+
     def __neg__(self):
         return _ms_ops.neg(self)
 

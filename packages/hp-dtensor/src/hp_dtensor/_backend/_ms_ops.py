@@ -63,6 +63,7 @@ __all__ = [
     "mul",
     "neg",
     "permute",
+    "pow",
     "reshape",
     "rms_norm",
     "rsqrt",
@@ -161,7 +162,12 @@ def _class_loss_local(
         count = platform.clone(count)
         for g in den:
             platform.all_reduce(count, "sum", g)
-    return (total / count[0]).astype(x.dtype)
+    return (total / count.reshape(())).astype(x.dtype)
+
+
+def _dims_arg(dims) -> tuple[int, ...]:
+    """``permute(x, 1, 0)`` or ``permute(x, (1, 0))``."""
+    return tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
 
 
 def _norm_dims(x, normalized_shape) -> tuple[int, ...]:
@@ -223,15 +229,22 @@ def _mesh_groups(mesh, placements, pred):
 
 def _k_embedding_vocab(fn, largs, lkwargs, specs, out_pl, mesh):
     """Row-split (vocabulary-parallel) table: ids outside this rank's rows give zeros; the
-    Partial(sum) output adds up to the whole lookup."""
-    ids, w = largs[0], largs[1]
-    if len(largs) > 2 or lkwargs:
-        raise ValueError("embedding on MindSpore with a row-split table takes no options")
+    Partial(sum) output adds up to the whole lookup. ``padding_idx`` (global) freezes that
+    row on the rank that holds it."""
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq")
+    vals = dict(zip(names + ("sparse",), largs))
+    vals.update(lkwargs)
+    ids, w = vals.pop("input"), vals.pop("weight")
     rows = w.shape[0]
     start = specs[1].local_shape_and_offset()[1][0]
+    pad = vals.pop("padding_idx", None)
+    if pad is not None:
+        pad = pad % specs[1].shape[0]
+        pad = pad - start if start <= pad < start + rows else None
     outside = (ids < start) | (ids >= start + rows)
     local = (ids - start) * (~outside).astype(ids.dtype)
-    return ops.gather(w, local, 0) * (~outside).astype(w.dtype).expand_dims(-1)
+    out = _embedding(local, w, pad, **vals)
+    return out * (~outside).astype(w.dtype).expand_dims(-1)
 
 
 def _k_class_loss(fn, largs, lkwargs, specs, out_pl, mesh):
@@ -279,7 +292,8 @@ _MS_OPS = {
     "reshape": mint.reshape,
     "view": mint.reshape,
     "transpose": mint.transpose,
-    "permute": mint.permute,
+    "permute": lambda input, *dims: mint.permute(input, _dims_arg(dims)),
+    "pow": mint.pow,
     "embedding": _embedding,
     "cross_entropy": _cross_entropy,
     "log_softmax": _log_softmax,
@@ -348,7 +362,14 @@ def _flatten(args, kwargs):
     return found, rebuild
 
 
-def _check_operands(name: str, args, kwargs, dts) -> None:
+#: ops whose plain-tensor arguments (targets) are taken as replicated, as on torch
+_REPLICATE_PLAIN = frozenset({"cross_entropy"})
+
+
+def _check_operands(name: str, args, kwargs, dts):
+    """Same mesh for every DTensor operand; plain tensors refused, except 0-d ones (a learnt
+    scale) and the targets of a loss, which become Replicate DTensors as on torch (so their
+    gradients are reduced like any replicated input's). Returns the arguments to use."""
     mesh = dts[0].device_mesh
     for d in dts[1:]:
         if d.device_mesh != mesh:
@@ -356,19 +377,27 @@ def _check_operands(name: str, args, kwargs, dts) -> None:
                 f"{name}: operands are on different meshes ({mesh} and {d.device_mesh}); "
                 "redistribute them onto one mesh first"
             )
+    rep = (Replicate(),) * mesh.ndim
 
-    def plain(a):
-        if isinstance(a, ms.Tensor) and a.ndim > 0:
-            raise ShardingError(
-                f"{name}: got a mix of MSDTensor and plain MindSpore tensor arguments; "
-                "distribute the tensor first (distribute_tensor / DTensor.from_local)"
-            )
+    def conv(a, where):
+        if isinstance(a, MSDTensor):
+            return a
+        if isinstance(a, ms.Tensor):
+            if a.ndim > 0 and name not in _REPLICATE_PLAIN:
+                raise ShardingError(
+                    f"{name}: {where} is a plain MindSpore tensor of shape {tuple(a.shape)} "
+                    "among MSDTensor operands; distribute it first (distribute_tensor / "
+                    "DTensor.from_local)"
+                )
+            shape = tuple(a.shape)
+            return MSDTensor(a, DTensorSpec(mesh, rep, shape, contiguous_strides(shape), a.dtype))
         if isinstance(a, (list, tuple)):
-            for b in a:
-                plain(b)
+            return type(a)(conv(b, f"{where}[{i}]") for i, b in enumerate(a))
+        return a
 
-    for a in list(args) + list(kwargs.values()):
-        plain(a)
+    new_args = tuple(conv(a, f"argument {i}") for i, a in enumerate(args))
+    new_kwargs = {k: conv(v, f"argument {k!r}") for k, v in kwargs.items()}
+    return new_args, new_kwargs
 
 
 def _rule_arg(a):
@@ -435,7 +464,8 @@ def call_op(name: str, fn, *args, **kwargs):
     dts, rebuild = _flatten(args, kwargs)
     if not dts:
         return fn(*args, **kwargs)
-    _check_operands(name, args, kwargs, dts)
+    args, kwargs = _check_operands(name, args, kwargs, dts)
+    dts, rebuild = _flatten(args, kwargs)
     mesh = dts[0].device_mesh
     rule = get_sharding_rule(name)
     even = all(is_evenly_sharded(d.shape, mesh.shape, d.placements) for d in dts)
@@ -553,6 +583,7 @@ rms_norm = _make("rms_norm")
 layer_norm = _make("layer_norm")
 cat = _make("cat")
 mean = _make("mean")
+pow = _make("pow")  # noqa: A001 - mint's name
 reshape = _make("reshape")
 transpose = _make("transpose")
 permute = _make("permute")

@@ -93,10 +93,11 @@ def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
 
 def as_msdtensor(x, mesh, layout, desired):
     """A cell input as an ``MSDTensor`` with ``desired`` placement: plain tensors are this
-    rank's piece laid out as ``layout``; DTensors are redistributed (``desired`` None: kept)."""
+    rank's piece laid out as ``layout``; DTensors are redistributed (``desired`` None: kept).
+    With ``layout`` None the value is left alone, as on torch."""
+    if layout is None or not isinstance(x, (ms.Tensor, MSDTensor)):
+        return x
     if not isinstance(x, MSDTensor):
-        if layout is None or not isinstance(x, ms.Tensor):
-            return x
         x = MSDTensor.from_local(x, mesh, [layout])
     if desired is not None and x.placements != (desired,):
         x = x.redistribute(mesh, [desired])
@@ -173,37 +174,56 @@ def apply_linear_style(style, cell, mesh, kind: str):
 
 
 # -- SequenceParallel, PrepareModuleInput / PrepareModuleOutput on cells ------------------------
+_MISSING = object()
+
+
 def apply_sequence_parallel(style, cell, mesh):
-    """The cell (a norm, dropout...) computes on the local sequence shard; its parameters stay
-    whole, and each forward reads them through an all-reduce of their gradient (each rank saw
-    part of the sequence, so its gradient is a partial sum). Output: a Shard(sequence_dim)
-    DTensor, or its local tensor with ``use_local_output``."""
+    """The cell (a norm, dropout...) computes on the local sequence shard; its parameters, and
+    those of its sub-cells, stay whole and each forward reads them through an all-reduce of
+    their gradient (each rank saw part of the sequence, so its gradient is a partial sum).
+    Output: Shard(sequence_dim) DTensors, or their local tensors with ``use_local_output``."""
     seq = Shard(style.sequence_dim)
-    names = [n for n, p in cell._params.items() if p is not None and p.requires_grad]
+    owners = [
+        (sub, n)
+        for _, sub in cell.cells_and_names()
+        for n, p in sub._params.items()
+        if p is not None and p.requires_grad
+    ]
+    calls: list = []  # per forward in flight: shadowed attributes, input global/local shape
 
     def pre(c, inputs):
-        for n in names:  # this forward's reads of the parameter go through the adapter
-            c.__dict__[n] = all_reduce_grad(c._params[n], mesh)
+        saved = []
+        for sub, n in owners:  # this forward reads the parameter through the adapter
+            saved.append((sub, n, sub.__dict__.get(n, _MISSING)))
+            sub.__dict__[n] = all_reduce_grad(sub._params[n], mesh)
         x = as_msdtensor(inputs[0], mesh, seq, seq)
+        shapes = (x.shape, tuple(x.to_local().shape)) if isinstance(x, MSDTensor) else None
+        calls.append((saved, shapes))
         return (x.to_local() if isinstance(x, MSDTensor) else x, *inputs[1:])
 
-    def post(c, inputs, out):
-        for n in names:
-            c.__dict__.pop(n, None)
-        if not isinstance(out, ms.Tensor):
-            return out
-        y = MSDTensor.from_local(out, mesh, [seq], shape=_seq_shape(out, seq, mesh, inputs))
+    def wrap(o, shapes):
+        if not isinstance(o, ms.Tensor):
+            return o
+        if shapes is not None and tuple(o.shape) == shapes[1]:  # same shape: same split
+            y = MSDTensor.from_local(o, mesh, [seq], shape=shapes[0])
+        else:  # the global shape from every rank's piece (uneven splits too)
+            y = MSDTensor.from_local(o, mesh, [seq], run_check=True)
         return y.to_local() if style.use_local_output else y
 
+    def post(c, inputs, out):
+        saved, shapes = calls.pop() if calls else ((), None)
+        for sub, n, old in saved:  # runs when construct raised too (always_call)
+            if old is _MISSING:
+                sub.__dict__.pop(n, None)
+            else:
+                sub.__dict__[n] = old
+        if isinstance(out, tuple):
+            return tuple(wrap(o, shapes) for o in out)
+        return wrap(out, shapes)
+
     cell.register_forward_pre_hook(pre)
-    cell.register_forward_hook(post)
+    cell.register_forward_hook(post, always_call=True)
     return cell
-
-
-def _seq_shape(out, seq, mesh, inputs):
-    shape = list(out.shape)
-    shape[seq.dim] *= mesh.size()
-    return tuple(shape)
 
 
 def _tuple(x):

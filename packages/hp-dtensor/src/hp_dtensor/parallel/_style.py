@@ -223,7 +223,8 @@ class SequenceParallel(ParallelStyle):
         self.validate(module, device_mesh, type(module).__name__)
         if _is_ms_cell(module):
             return _ms_style("apply_sequence_parallel")(self, module, device_mesh)
-        _replicate_rest(module, device_mesh)
+        for sub in module.modules():  # sub-modules' parameters too (a norm inside a wrapper)
+            _replicate_rest(sub, device_mesh)
         seq = Shard(self.sequence_dim)
         use_local = self.use_local_output
 
