@@ -217,15 +217,20 @@ class MindSporePlatform:
         # and copy_ refuses a view of a larger buffer
         return ops.deepcopy(t)
 
-    # streams and events: MindSpore orders work itself in PyNative mode ---------------------------
+    # streams and events: MindSpore's runtime streams on a device (Ascend, GPU); on CPU it has
+    # none (ms.runtime.Stream raises there) and orders work itself: None --------------------------
+    @staticmethod
+    def _has_streams() -> bool:
+        return ms.get_context("device_target") != "CPU" and hasattr(ms, "runtime")
+
     def new_stream(self, device):
-        return None
+        return ms.runtime.Stream() if self._has_streams() else None
 
     def current_stream(self, device):
-        return None
+        return ms.runtime.current_stream() if self._has_streams() else None
 
     def new_event(self, device):
-        return None
+        return ms.runtime.Event() if self._has_streams() else None
 
     def synchronize(self, device) -> None:
         ms.runtime.synchronize() if hasattr(ms, "runtime") else None
