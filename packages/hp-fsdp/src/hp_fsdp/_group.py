@@ -730,23 +730,42 @@ def _local(t):
 
 
 def _tp_dp_grid(tp_mesh, dp_mesh) -> list[list[int]]:
-    """The (tp, dp) rank grid of the 2-D mesh that ``tp_mesh`` and ``dp_mesh`` are the 1-D
-    sub-meshes of (e.g. ``mesh['tp']`` and ``mesh['dp']`` of a ('dp', 'tp') mesh)."""
+    """The (tp, dp) rank grid that ``tp_mesh`` and ``dp_mesh`` (1-D sub-meshes of one mesh,
+    e.g. ``mesh['tp']`` and ``mesh['dp_shard']``) span around this rank: the other dimensions
+    of that mesh (a pipeline dimension, say) stay at this rank's coordinates. A flattened
+    ``dp`` (``dp_shard_cp``) counts its dimensions in row-major order."""
     root = tp_mesh._root
-    if root is not dp_mesh._root or root.ndim != 2:
+    if root is not dp_mesh._root or tp_mesh.ndim != 1 or dp_mesh.ndim != 1:
         raise ValueError(
-            "composing fully_shard with tensor parallelism needs mesh['dp'] and mesh['tp'] of "
-            "one 2-D DeviceMesh"
+            "composing fully_shard with tensor parallelism needs 1-D sub-meshes mesh['dp'] "
+            "and mesh['tp'] of one DeviceMesh"
         )
-    tp_dim, dp_dim = tp_mesh._root_dims[0][0], dp_mesh._root_dims[0][0]
-    shape, ranks = root.shape, root.rank_list
+    tp_dims, dp_dims = tp_mesh._root_dims[0], dp_mesh._root_dims[0]
+    if set(tp_dims) & set(dp_dims):
+        raise ValueError("the tp and dp meshes of fully_shard overlap: give disjoint dimensions")
+    shape, ranks, me = root.shape, root.rank_list, root.get_coordinate()
+
+    def coords(dims, index):  # row-major over the (possibly flattened) dims
+        out = {}
+        for d in reversed(dims):
+            out[d] = index % shape[d]
+            index //= shape[d]
+        return out
+
+    def rank_at(coord):
+        flat = 0
+        for d, c in enumerate(coord):
+            flat = flat * shape[d] + c
+        return ranks[flat]
+
     grid = []
-    for t in range(shape[tp_dim]):
+    for t in range(tp_mesh.size()):
         row = []
-        for d in range(shape[dp_dim]):
-            coord = [0, 0]
-            coord[tp_dim], coord[dp_dim] = t, d
-            row.append(ranks[coord[0] * shape[1] + coord[1]])
+        for i in range(dp_mesh.size()):
+            c = list(me)
+            for d, v in {**coords(tp_dims, t), **coords(dp_dims, i)}.items():
+                c[d] = v
+            row.append(rank_at(c))
         grid.append(row)
     return grid
 
