@@ -13,7 +13,10 @@ and is torn down before the next one starts:
 Configurations (``--config``; the data-parallel shard degree takes what the others leave):
 ``fsdp``, ``hsdp`` (2 replicas), ``fsdp_tp`` (TP 2), ``pp_fsdp`` (PP 2, ``--schedule``),
 ``pp_tp_fsdp`` (PP 2 x TP 2). bf16 parameters with fp32 gradient reduction
-(``--bf16``), full activation checkpointing per block with ``--ac full``.
+(``--bf16``; without data parallelism, where FSDP's mixed precision does not apply, fp32
+parameters under bf16 autocast instead), full activation checkpointing per block with
+``--ac full``. ``--verbose`` prints every step, ``--watchdog S`` dumps every thread's stack
+after S seconds (a hung collective shows where each rank waits).
 
 Printed per stack: tokens/s per GPU (median step), MFU against the H200's 989.4 TFLOP/s
 (FLOPs per token = 6 N + 12 L H d S, N the parameters without the input embedding), peak
@@ -22,7 +25,9 @@ between the stacks with the bound it is checked against.
 
     # 8 x H200 (the issue's runs)
     torchrun --standalone --nproc_per_node=8 benchmarks/scaling/llama.py --device cuda \\
-        --config fsdp --seq 8192 --bf16 --ac full
+        --model llama3-8b --config fsdp --seq 8192 --batch 1 --bf16 --ac full
+    # pipelines: 8 microbatches of one sequence
+    torchrun ... --config pp_fsdp --schedule zbv --batch 8 --microbatches 8 ...
     # CPU check of every configuration on the tiny model (4 gloo ranks; 8 for pp_tp_fsdp)
     python benchmarks/scaling/llama.py --config fsdp_tp --world 4
 """
@@ -30,6 +35,7 @@ between the stacks with the bound it is checked against.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -274,6 +280,9 @@ def _run_stack(stack, rank, world, args):
     params = [p for m in mods for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
     losses, times = [], []
+    # bf16 compute: FSDP's mixed precision where there is FSDP, autocast where there is none
+    # (fp32 parameters then), the same for both stacks
+    cast = args.bf16 and dims.dp == 1
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
@@ -282,23 +291,9 @@ def _run_stack(stack, rank, world, args):
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        if sched is None:
-            loss = _loss_fn(mods[0](x), y)
-            loss.backward()
-            mine = loss.detach().float()
-        else:
-            mb_losses: list = []
-            holds_last = _holds_last_stage(args, dims, pp_index)
-            kwargs = {"target": y, "losses": mb_losses} if holds_last else {}
-            if pp_index == 0:  # stage 0 sits on pipeline rank 0 in every schedule
-                sched.step(x, **kwargs)
-            else:
-                sched.step(**kwargs)
-            mine = (
-                torch.stack([m.detach().float() for m in mb_losses]).mean()
-                if holds_last
-                else torch.zeros((), device=device)
-            )
+        ctx = torch.autocast(device, dtype=torch.bfloat16) if cast else contextlib.nullcontext()
+        with ctx:
+            mine = _one_step(sched, mods, x, y, args, dims, pp_index, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device == "cuda":
@@ -316,6 +311,8 @@ def _run_stack(stack, rank, world, args):
         losses.append(float(pair[0] / pair[1]))
         if step >= args.warmup:
             times.append(float(t))
+        if args.verbose and rank == 0:
+            print(f"[{stack}] step {step}: {float(t):.3f} s, loss {losses[-1]:.4f}", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
@@ -335,6 +332,24 @@ def _run_stack(stack, rank, world, args):
     }
 
 
+def _one_step(sched, mods, x, y, args, dims, pp_index, device):
+    """Forward and backward of one step; this rank's loss (zero off the last stage)."""
+    if sched is None:
+        loss = _loss_fn(mods[0](x), y)
+        loss.backward()
+        return loss.detach().float()
+    mb_losses: list = []
+    holds_last = _holds_last_stage(args, dims, pp_index)
+    kwargs = {"target": y, "losses": mb_losses} if holds_last else {}
+    if pp_index == 0:  # stage 0 sits on pipeline rank 0 in every schedule
+        sched.step(x, **kwargs)
+    else:
+        sched.step(**kwargs)
+    if not holds_last:
+        return torch.zeros((), device=device)
+    return torch.stack([m.detach().float() for m in mb_losses]).mean()
+
+
 def _holds_last_stage(args, dims, pp_index):
     if dims.pp == 1:
         return True
@@ -350,15 +365,30 @@ def _flops_per_token(cfg, seq):
 
 def run(rank, world, args, path, queue):
     init_rank(rank, world, path)
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
     warnings.filterwarnings("ignore")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if args.bf16 and args.device == "cpu":
-        raise SystemExit("--bf16 is for GPU runs (bf16 matmuls on CPU are slow)")
     result = {}
     for stack in args.stacks:
-        result[stack] = _run_stack(stack, rank, world, args)
+        r = result[stack] = _run_stack(stack, rank, world, args)
+        if rank == 0:  # as it comes, so that a run cut short still tells something
+            print(
+                f"[{stack}] step {r['step_s']:.3f} s, {r['tokens_per_s_gpu']:.0f} tokens/s/GPU, "
+                f"peak {r['peak_gib']:.2f} GiB, losses "
+                + " ".join(f"{v:.4f}" for v in r["losses"]),
+                flush=True,
+            )
     finish(rank, world, args, result, queue, report)
+
+
+def _precision(args, dims) -> str:
+    if not args.bf16:
+        return "fp32"
+    return "bf16 params / fp32 reduce" if dims.dp > 1 else "fp32 params + bf16 autocast"
 
 
 def report(args, world, results):
@@ -371,7 +401,7 @@ def report(args, world, results):
         + (f" ({args.schedule}, {args.microbatches} microbatches)" if dims.pp > 1 else "")
         + f"; model {args.model} ({cfg.n_layers} layers, {cfg.num_params() / 1e9:.2f} B "
         f"params), seq {args.seq}, local batch {args.batch}, "
-        f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, AC {args.ac}; "
+        f"{_precision(args, dims)}, AC {args.ac}; "
         f"median of {args.steps} steps after {args.warmup}"
     )
     print(f"{'stack':<7}{'step s':>9}{'tok/s/GPU':>12}{'MFU':>8}{'peak GiB':>10}")
@@ -413,6 +443,10 @@ def main():
     ap.add_argument("--stacks", nargs="+", default=["hp", "torch"], choices=["hp", "torch"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--verbose", action="store_true", help="print every step as it ends")
+    ap.add_argument(
+        "--watchdog", type=float, default=0, help="dump every thread's stack after this many s"
+    )
     args = ap.parse_args()
     if args.config in ("pp_fsdp", "pp_tp_fsdp") and args.batch % args.microbatches:
         ap.error(f"--batch {args.batch} must be divisible by --microbatches {args.microbatches}")
