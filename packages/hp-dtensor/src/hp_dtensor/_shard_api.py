@@ -126,22 +126,36 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
         p = getattr(sub, pname)
         dt = distribute_tensor(p.data, lay)
         sub.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+    pre, post = forward_hooks(
+        fwd,
+        lambda x, lay, arg: _to_layout(x, lay, mesh=None, arg=arg),
+        lambda o: o.to_local() if isinstance(o, DTensor) else o,
+    )
+    if pre is not None:
+        module.register_forward_pre_hook(pre)
+    if post is not None:
+        module.register_forward_hook(post)
+    return module
+
+
+def forward_hooks(fwd: dict, to_layout, to_local):
+    """The forward pre-hook and hook (None where the plan needs none) of a ``shard_module``
+    plan's ``"forward"`` entry, for either framework: ``to_layout(value, layout, arg)`` lays
+    one input or output out, ``to_local(value)`` unwraps a DTensor for ``use_local_output``."""
     in_layouts = fwd.get("input")
     out_layouts = fwd.get("output")
     use_local = bool(fwd.get("use_local_output", False))
+    pre = post = None
     if in_layouts is not None:
-        in_layouts = tuple(in_layouts)
+        ins = tuple(in_layouts)
 
         def pre(mod, args):
-            _check_len(args[: len(in_layouts)], in_layouts, "forward input layouts")
+            _check_len(args[: len(ins)], ins, "forward input layouts")
             return tuple(
-                _to_layout(a, in_layouts[i], mesh=None, arg=f"forward input {i}")
-                if i < len(in_layouts)
-                else a
+                to_layout(a, ins[i], f"forward input {i}") if i < len(ins) else a
                 for i, a in enumerate(args)
             )
 
-        module.register_forward_pre_hook(pre)
     if out_layouts is not None or use_local:
         outs = tuple(out_layouts) if out_layouts is not None else None
 
@@ -151,14 +165,11 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
             res = []
             for i, o in enumerate(items):
                 lay = outs[i] if outs is not None and i < len(outs) else None
-                o = _to_layout(o, lay, mesh=None, arg=f"forward output {i}")
-                if use_local and isinstance(o, DTensor):
-                    o = o.to_local()
-                res.append(o)
+                o = to_layout(o, lay, f"forward output {i}")
+                res.append(to_local(o) if use_local else o)
             return res[0] if single else tuple(res)
 
-        module.register_forward_hook(post)
-    return module
+    return pre, post
 
 
 def custom_shard(

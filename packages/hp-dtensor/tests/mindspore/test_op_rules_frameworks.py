@@ -402,6 +402,10 @@ def test_shard_module_same_in_both_frameworks():
 
 # -- review cases: scalar operands, plain loss targets, padded vocabulary-split lookups,
 # -- SequenceParallel over sub-cells with an uneven sequence and after a failed forward -------
+def x_extras():
+    return np.random.default_rng(5).standard_normal((6, 4)).astype(np.float32)
+
+
 def extras_body(framework: str):
     import hp_dtensor as hp
     from hp_dtensor import Replicate, Shard
@@ -412,7 +416,8 @@ def extras_body(framework: str):
     mesh = hp.init_device_mesh("cpu", (2,))
     rank = mesh.get_coordinate()[0]
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((6, 4)).astype(np.float32)
+    x = x_extras()
+    rng.standard_normal((6, 4))  # keep the stream where it was
     table = rng.standard_normal((VOCAB, 4)).astype(np.float32)
     ids = np.array([[0, 3, 7], [9, 0, 5]], dtype=np.int64)
     tgt = np.array([1, 0, 3, 2, 1, 0], dtype=np.int64)
@@ -465,6 +470,22 @@ def extras_body(framework: str):
         y = net(hp.distribute_tensor(v, mesh, [Shard(1)]))
         return (y * y).sum().full_tensor()
 
+    # PrepareModuleInputOutput: a row-split input gathered for the module, its output split
+    # again and handed back as the local piece
+    from hp_dtensor.parallel import PrepareModuleInputOutput
+
+    dbl = _doubler(framework)
+    style = PrepareModuleInputOutput(
+        input_layouts=Shard(0),
+        desired_input_layouts=Replicate(),
+        use_local_input=True,
+        output_layouts=Replicate(),
+        desired_output_layouts=Shard(0),
+        use_local_output=True,
+    )
+    parallelize_module(dbl, mesh, style)
+    y = dbl(fw.tensor(_chunk(x, 0, rank)))
+    out["prepare"] = (fw.numpy(y), dbl.seen)
     out["sp"] = _param_grads(framework, run_sp, fw.tensor(seq), net)
     ref = _sp_net(framework, o, gw)
     out["sp_ref"] = _param_grads(framework, lambda v: (ref(v) ** 2).sum(), fw.tensor(seq), ref)
@@ -522,6 +543,27 @@ def _sp_net(framework, o, gw):
     return Wrap()
 
 
+def _doubler(framework):
+    """A module returning twice its input and remembering the shape it was given."""
+    if framework == "torch":
+        import torch
+
+        class Double(torch.nn.Module):
+            def forward(self, v):
+                self.seen = tuple(v.shape)
+                return v * 2
+
+        return Double()
+    from mindspore import nn
+
+    class Double(nn.Cell):
+        def construct(self, v):
+            self.seen = tuple(v.shape)
+            return v * 2
+
+    return Double()
+
+
 def _param_grads(framework, f, v, net):
     """f(v) and its gradients with respect to ``net``'s parameters (whole; DTensors gathered)."""
     if framework == "torch":
@@ -548,6 +590,9 @@ def test_scalars_plain_targets_padding_and_sequence_parallel_cells(framework, re
             for a, b in zip(g, local):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=key)
         assert res["param_kept"] in ("Parameter", "DTensor"), res["param_kept"]
+        y, seen = res["prepare"]
+        assert seen == (6, 4), seen  # the module saw the whole, gathered input
+        np.testing.assert_array_equal(y, 2 * _chunk(x_extras(), 0, rank))
         (v, g), (rv, rg) = res["sp"], res["sp_ref"]
         np.testing.assert_allclose(v, rv, rtol=1e-5)
         np.testing.assert_allclose(g[0], rg[0], rtol=1e-5, atol=1e-6)

@@ -26,6 +26,7 @@ from mindspore import nn
 
 from .._placement import Partial, Replicate, Shard
 from ..errors import PlacementError, ShardingError
+from ..parallel._style import input_hook, output_hook
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
 __all__ = [
@@ -226,57 +227,27 @@ def apply_sequence_parallel(style, cell, mesh):
     return cell
 
 
-def _tuple(x):
-    if x is None:
-        return None
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
 def apply_prepare_input(style, cell, mesh):
     """Inputs (and keyword inputs) annotated with their layouts and redistributed to the
     desired ones; returned as local tensors with ``use_local_output``."""
-    ins = _tuple(style.input_layouts) or ()
-    des = _tuple(style.desired_input_layouts) or (None,) * len(ins)
-    kw_in = dict(style.input_kwarg_layouts or {})
-    kw_des = dict(style.desired_input_kwarg_layouts or {})
     use_local = style.use_local_output
 
     def convert(x, layout, desired):
         out = as_msdtensor(x, mesh, layout, desired)
         return out.to_local() if use_local and isinstance(out, MSDTensor) else out
 
-    def pre(c, args, kwargs):
-        new_args = tuple(
-            convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
-        )
-        new_kwargs = {
-            k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
-            for k, v in kwargs.items()
-        }
-        return new_args, new_kwargs
-
-    cell.register_forward_pre_hook(pre, with_kwargs=True)
+    cell.register_forward_pre_hook(input_hook(style, convert), with_kwargs=True)
     return cell
 
 
 def apply_prepare_output(style, cell, mesh):
     """Outputs annotated with ``output_layouts`` and redistributed to the desired ones;
     returned as local tensors with ``use_local_output``."""
-    outs = _tuple(style.output_layouts) or ()
-    des = _tuple(style.desired_output_layouts) or (None,) * len(outs)
     use_local = style.use_local_output
 
-    def post(c, inputs, out):
-        single = not isinstance(out, tuple)
-        items = (out,) if single else out
-        res = []
-        for i, o in enumerate(items):
-            if i < len(outs) and isinstance(o, (ms.Tensor, MSDTensor)):
-                o = as_msdtensor(o, mesh, outs[i], des[i])
-                if use_local and isinstance(o, MSDTensor):
-                    o = o.to_local()
-            res.append(o)
-        return res[0] if single else tuple(res)
+    def convert(o, layout, desired):
+        o = as_msdtensor(o, mesh, layout, desired)
+        return o.to_local() if use_local and isinstance(o, MSDTensor) else o
 
-    cell.register_forward_hook(post)
+    cell.register_forward_hook(output_hook(style, convert))
     return cell

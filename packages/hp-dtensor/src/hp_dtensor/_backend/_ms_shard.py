@@ -20,6 +20,7 @@ import mindspore as ms
 
 from .._layout import Layout
 from .._mesh import mesh_from_layout
+from .._shard_api import forward_hooks
 from ..errors import LayoutError, MeshError
 from ._ms_dtensor import MSDTensor, distribute_tensor
 
@@ -52,13 +53,6 @@ def _to_layout(x, layout, arg: str):
     return MSDTensor.from_local(x, mesh, placements)
 
 
-def _check_len(values, layouts, arg: str) -> None:
-    if len(layouts) != len(values):
-        raise LayoutError(
-            f"{arg} has {len(layouts)} entries for {len(values)} values: give one (or None) each"
-        )
-
-
 def _owner(cell, dotted: str):
     *path, pname = dotted.split(".")
     sub = cell
@@ -78,34 +72,11 @@ def shard_cell(cell, params: dict, fwd: dict):
         local = ms.Parameter(dt.to_local(), name=p.name, requires_grad=p.requires_grad)
         setattr(sub, pname, local)  # the cell's registered parameter: the local shard
         sub.__dict__[pname] = MSDTensor(local, dt._spec)  # what construct reads: a DTensor
-    in_layouts = fwd.get("input")
-    out_layouts = fwd.get("output")
-    use_local = bool(fwd.get("use_local_output", False))
-    if in_layouts is not None:
-        in_layouts = tuple(in_layouts)
-
-        def pre(c, args):
-            _check_len(args[: len(in_layouts)], in_layouts, "forward input layouts")
-            return tuple(
-                _to_layout(a, in_layouts[i], f"forward input {i}") if i < len(in_layouts) else a
-                for i, a in enumerate(args)
-            )
-
+    pre, post = forward_hooks(
+        fwd, _to_layout, lambda o: o.to_local() if isinstance(o, MSDTensor) else o
+    )
+    if pre is not None:
         cell.register_forward_pre_hook(pre)
-    if out_layouts is not None or use_local:
-        outs = tuple(out_layouts) if out_layouts is not None else None
-
-        def post(c, args, out):
-            single = not isinstance(out, tuple)
-            items = (out,) if single else out
-            res = []
-            for i, o in enumerate(items):
-                lay = outs[i] if outs is not None and i < len(outs) else None
-                o = _to_layout(o, lay, f"forward output {i}")
-                if use_local and isinstance(o, MSDTensor):
-                    o = o.to_local()
-                res.append(o)
-            return res[0] if single else tuple(res)
-
+    if post is not None:
         cell.register_forward_hook(post)
     return cell

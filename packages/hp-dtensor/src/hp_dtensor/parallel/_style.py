@@ -245,6 +245,42 @@ def _tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def input_hook(style, convert):
+    """``PrepareModuleInput``'s forward pre-hook (with keyword inputs), for either framework:
+    ``convert(value, layout, desired)`` handles one annotated input."""
+    ins = _tuple(style.input_layouts) or ()
+    des = _tuple(style.desired_input_layouts) or (None,) * len(ins)
+    kw_in = dict(style.input_kwarg_layouts or {})
+    kw_des = dict(style.desired_input_kwarg_layouts or {})
+
+    def pre(mod, args, kwargs):
+        new_args = tuple(
+            convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
+        )
+        new_kwargs = {
+            k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
+            for k, v in kwargs.items()
+        }
+        return new_args, new_kwargs
+
+    return pre
+
+
+def output_hook(style, convert):
+    """``PrepareModuleOutput``'s forward hook, for either framework: ``convert(value, layout,
+    desired)`` handles one annotated output (and leaves non-tensors alone)."""
+    outs = _tuple(style.output_layouts) or ()
+    des = _tuple(style.desired_output_layouts) or (None,) * len(outs)
+
+    def post(mod, inputs, out):
+        single = not isinstance(out, tuple)
+        items = (out,) if single else out
+        res = [convert(o, outs[i], des[i]) if i < len(outs) else o for i, o in enumerate(items)]
+        return res[0] if single else tuple(res)
+
+    return post
+
+
 @dataclass(frozen=True)
 class PrepareModuleInput(ParallelStyle):
     """Annotate a module's inputs with ``input_layouts`` and redistribute them to
@@ -270,26 +306,13 @@ class PrepareModuleInput(ParallelStyle):
         self.validate(module, device_mesh, type(module).__name__)
         if _is_ms_cell(module):
             return _ms_style("apply_prepare_input")(self, module, device_mesh)
-        ins = _tuple(self.input_layouts) or ()
-        des = _tuple(self.desired_input_layouts) or (None,) * len(ins)
-        kw_in = dict(self.input_kwarg_layouts or {})
-        kw_des = dict(self.desired_input_kwarg_layouts or {})
         use_local = self.use_local_output
 
         def convert(x, layout, desired):
             out = _as_dtensor(x, device_mesh, layout, desired)
             return out.to_local() if use_local and isinstance(out, DTensor) else out
 
-        def pre(mod, args, kwargs):
-            new_args = tuple(
-                convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
-            )
-            new_kwargs = {
-                k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
-                for k, v in kwargs.items()
-            }
-            return new_args, new_kwargs
-
+        pre = input_hook(self, convert)
         module.register_forward_pre_hook(pre, with_kwargs=True)
         return module
 
@@ -317,22 +340,15 @@ class PrepareModuleOutput(ParallelStyle):
         self.validate(module, device_mesh, type(module).__name__)
         if _is_ms_cell(module):
             return _ms_style("apply_prepare_output")(self, module, device_mesh)
-        outs = _tuple(self.output_layouts) or ()
-        des = _tuple(self.desired_output_layouts) or (None,) * len(outs)
         use_local = self.use_local_output
 
-        def post(mod, inputs, out):
-            single = not isinstance(out, tuple)
-            items = (out,) if single else out
-            res = []
-            for i, o in enumerate(items):
-                if i < len(outs) and isinstance(o, torch.Tensor):
-                    o = _as_dtensor(o, device_mesh, outs[i], des[i])
-                    if use_local and isinstance(o, DTensor):
-                        o = o.to_local()
-                res.append(o)
-            return res[0] if single else tuple(res)
+        def convert(o, layout, desired):
+            if not isinstance(o, torch.Tensor):
+                return o
+            o = _as_dtensor(o, device_mesh, layout, desired)
+            return o.to_local() if use_local and isinstance(o, DTensor) else o
 
+        post = output_hook(self, convert)
         module.register_forward_hook(post)
         return module
 
