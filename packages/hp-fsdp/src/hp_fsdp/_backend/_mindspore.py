@@ -14,16 +14,21 @@ forth), so the binding works per step, the way MindSpore training is written
 (``value_and_grad``, then the optimizer):
 
 - before a cell's forward, its group all-gathers every parameter as one flat buffer into the
-  original Parameters (full shape, kept allocated between steps) and swaps those into the
-  cell; they stay there through backward;
+  original Parameters (full shape) and swaps those into the cell; they stay there through
+  backward;
 - ``parallelize_value_and_grad(fn, weights=...)`` differentiates with respect to those gathered
   Parameters, reduce-scatters each group's gradients as one flat buffer (averaged over the
   ranks, times the group's gradient scaling factor, applied once before the reduction), swaps
   the shards back in and returns the sharded gradients in the order of ``weights``. Gradients
   of parameters outside every group are all-reduced (averaged), as data parallelism needs.
 
-So optimizer states and reduced gradients take 1/N per rank; parameters take a whole copy
-plus the shard, and the gradients of one step are whole until reduced.
+- after the step (and after an evaluation forward) the original Parameters release their
+  storage: each holds a placeholder of its shape that MindSpore allocates only when read.
+
+So optimizer states, reduced gradients and, between steps, parameters take 1/N per rank; during
+a step every group's parameters are whole (MindSpore's autograd keeps what the forward used
+until backward, with no hook to free and re-gather a parameter), and the gradients of one step
+are whole until reduced.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import weakref
 
 import mindspore as ms
+from mindspore.common.initializer import Zero
 
 from hp_dtensor import chunk_size_and_offset, get_platform
 
@@ -97,6 +103,7 @@ class MSParamGroup:
             self.shard_params.append(ms.Parameter(mine, name=p.name, requires_grad=p.requires_grad))
         self.ids = {id(p) for p in self.shard_params}
         self._place(self.shard_params)
+        self._release()  # the whole values live on in the shards
 
     def _place(self, params) -> None:
         for owners, p in zip(self.owners, params):
@@ -137,11 +144,20 @@ class MSParamGroup:
         self.unsharded = True
 
     def reshard(self) -> None:
-        """Swap this rank's shards back in."""
+        """Swap this rank's shards back in and release the gathered copies."""
         if not self.unsharded:
             return
         self._place(self.shard_params)
+        self._release()
         self.unsharded = False
+
+    def _release(self) -> None:
+        """The full Parameters give their storage back: each gets a placeholder of its shape
+        that MindSpore allocates only if it is read (``set_data`` keeps the shape, which the
+        kernels that used the Parameter cached)."""
+        for p, shape in zip(self.full_params, self.shapes):
+            p.set_data(ms.Tensor(shape=shape, dtype=p.dtype, init=Zero()))
+        self._live = []
 
     def reduce(self, grads):
         """Whole gradients (in parameter order) -> this rank's averaged shards."""
