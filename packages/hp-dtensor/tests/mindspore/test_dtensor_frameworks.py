@@ -22,6 +22,7 @@ from hp_testing.msrun import run_framework
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fw_adapters import FRAMEWORKS  # noqa: E402
 
 HAVE_MS = importlib.util.find_spec("mindspore") is not None
 SHAPE = (5, 7)  # uneven over 2 ranks on both dims
@@ -82,49 +83,11 @@ def _grad_local(g, name, rank, x, noise):
     return g / WORLD if name == "Pavg" else g
 
 
-class _Torch:
-    name = "torch"
-
-    @staticmethod
-    def tensor(a):
-        import torch
-
-        return torch.tensor(a)
-
-    @staticmethod
-    def vjp(f, x, dy):
-        import torch
-
-        xt = torch.tensor(x, requires_grad=True)
-        y = f(xt)
-        y.backward(torch.tensor(dy))
-        return y.detach().numpy(), xt.grad.numpy()
-
-
-class _MindSpore:
-    name = "mindspore"
-
-    @staticmethod
-    def tensor(a):
-        import mindspore as ms
-
-        return ms.Tensor(a)
-
-    @staticmethod
-    def vjp(f, x, dy):
-        import mindspore as ms
-
-        xt, dyt = ms.Tensor(x), ms.Tensor(dy)
-        y = f(xt)
-        dx = ms.grad(lambda v: (f(v) * dyt).sum())(xt)
-        return y.asnumpy(), dx.asnumpy()
-
-
 def redistribution_body(framework: str):
     """Every (src, dst) pair: ("ok", y_local, dx_local) or ("refused", error type)."""
     import hp_dtensor as hp
 
-    fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
+    fw = FRAMEWORKS[framework]
     mesh = hp.init_device_mesh("cpu", (WORLD,))
     assert mesh.framework == framework, (mesh.framework, framework)
     rank = mesh.get_coordinate()[0]

@@ -13,7 +13,8 @@ is refused.
 
 from __future__ import annotations
 
-import types
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -21,6 +22,9 @@ import pytest
 
 from hp_testing.msrun import run_framework
 from hp_testing.pytest_plugin import rank_pool_fixture
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fw_adapters import FRAMEWORKS  # noqa: E402
 
 pool2 = rank_pool_fixture(2)
 
@@ -86,75 +90,13 @@ def _configs():
     }
 
 
-class _Torch:
-    @staticmethod
-    def ops():
-        import torch
-        import torch.nn.functional as F
-
-        return types.SimpleNamespace(
-            rsqrt=torch.rsqrt, mean=torch.mean, linear=F.linear, reshape=torch.reshape,
-            transpose=torch.transpose, softmax=F.softmax, matmul=torch.matmul, silu=F.silu,
-            embedding=F.embedding, cross_entropy=F.cross_entropy, cat=torch.cat,
-            rms_norm=F.rms_norm, layer_norm=F.layer_norm, mul=torch.mul,
-        )  # fmt: skip
-
-    @staticmethod
-    def grads(f, arrays):
-        """f's value and the gradients of all its arguments."""
-        import torch
-
-        ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-        y = f(*ts)
-        y.backward()
-        return y.detach().numpy(), [t.grad.numpy() for t in ts]
-
-    @staticmethod
-    def tensor(a):
-        import torch
-
-        return torch.tensor(a)
-
-    @staticmethod
-    def numpy(t):
-        return t.detach().numpy()
-
-
-class _MindSpore:
-    @staticmethod
-    def ops():
-        import hp_dtensor
-
-        return hp_dtensor.ms_ops
-
-    @staticmethod
-    def grads(f, arrays):
-        import mindspore as ms
-
-        ts = [ms.Tensor(a) for a in arrays]
-        y, gs = ms.value_and_grad(f, grad_position=tuple(range(len(ts))))(*ts)
-        if isinstance(gs, ms.Tensor):  # one position: MindSpore returns the tensor itself
-            gs = (gs,)
-        return y.asnumpy(), [g.asnumpy() for g in gs]
-
-    @staticmethod
-    def tensor(a):
-        import mindspore as ms
-
-        return ms.Tensor(a)
-
-    @staticmethod
-    def numpy(t):
-        return t.asnumpy()
-
-
 def ops_body(framework: str):
     """The model on whole tensors and on DTensors (two configs); a Partial(avg) mean and an
     uneven split; the mixed-argument error."""
     import hp_dtensor as hp
     from hp_dtensor import Replicate, Shard
 
-    fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
+    fw = FRAMEWORKS[framework]
     o = fw.ops()
     mesh = hp.init_device_mesh("cpu", (2,))
     w, ids, targets, cos, sin = _arrays()
@@ -278,7 +220,7 @@ def _mlp(o, x, norm, w1, w2):
 def _torch_mlp(w, x, g, plan=None):
     import torch
 
-    o = _Torch.ops()
+    o = FRAMEWORKS["torch"].ops()
 
     class MLP(torch.nn.Module):
         def __init__(self):
@@ -307,7 +249,7 @@ def _ms_mlp(w, x, g, plan=None):
     import mindspore as ms
     from mindspore import nn
 
-    o = _MindSpore.ops()
+    o = FRAMEWORKS["mindspore"].ops()
 
     class MLP(nn.Cell):
         def __init__(self):
@@ -411,7 +353,7 @@ def extras_body(framework: str):
     from hp_dtensor import Replicate, Shard
     from hp_dtensor.parallel import SequenceParallel, parallelize_module
 
-    fw = {"torch": _Torch, "mindspore": _MindSpore}[framework]
+    fw = FRAMEWORKS[framework]
     o = fw.ops()
     mesh = hp.init_device_mesh("cpu", (2,))
     rank = mesh.get_coordinate()[0]

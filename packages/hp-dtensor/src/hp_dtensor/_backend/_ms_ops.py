@@ -369,7 +369,8 @@ _REPLICATE_PLAIN = frozenset({"cross_entropy"})
 def _check_operands(name: str, args, kwargs, dts):
     """Same mesh for every DTensor operand; plain tensors refused, except 0-d ones (a learnt
     scale) and the targets of a loss, which become Replicate DTensors as on torch (so their
-    gradients are reduced like any replicated input's). Returns the arguments to use."""
+    gradients are reduced like any replicated input's). Returns the arguments to use and
+    whether any was wrapped."""
     mesh = dts[0].device_mesh
     for d in dts[1:]:
         if d.device_mesh != mesh:
@@ -378,11 +379,13 @@ def _check_operands(name: str, args, kwargs, dts):
                 "redistribute them onto one mesh first"
             )
     rep = (Replicate(),) * mesh.ndim
+    wrapped = []
 
     def conv(a, where):
         if isinstance(a, MSDTensor):
             return a
         if isinstance(a, ms.Tensor):
+            wrapped.append(where)
             if a.ndim > 0 and name not in _REPLICATE_PLAIN:
                 raise ShardingError(
                     f"{name}: {where} is a plain MindSpore tensor of shape {tuple(a.shape)} "
@@ -397,7 +400,7 @@ def _check_operands(name: str, args, kwargs, dts):
 
     new_args = tuple(conv(a, f"argument {i}") for i, a in enumerate(args))
     new_kwargs = {k: conv(v, f"argument {k!r}") for k, v in kwargs.items()}
-    return new_args, new_kwargs
+    return new_args, new_kwargs, bool(wrapped)
 
 
 def _rule_arg(a):
@@ -464,8 +467,9 @@ def call_op(name: str, fn, *args, **kwargs):
     dts, rebuild = _flatten(args, kwargs)
     if not dts:
         return fn(*args, **kwargs)
-    args, kwargs = _check_operands(name, args, kwargs, dts)
-    dts, rebuild = _flatten(args, kwargs)
+    args, kwargs, wrapped = _check_operands(name, args, kwargs, dts)
+    if wrapped:  # plain scalars or targets became DTensors: they are operands now
+        dts, rebuild = _flatten(args, kwargs)
     mesh = dts[0].device_mesh
     rule = get_sharding_rule(name)
     even = all(is_evenly_sharded(d.shape, mesh.shape, d.placements) for d in dts)

@@ -25,7 +25,7 @@ import mindspore as ms
 from mindspore import nn
 
 from .._placement import Partial, Replicate, Shard
-from ..errors import PlacementError, ShardingError
+from ..errors import PlacementError
 from ..parallel._style import input_hook, output_hook
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
@@ -50,12 +50,7 @@ def _split_size(cell, kind: str) -> tuple[str, int]:
 def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
     """Check, without communicating, that ``style`` fits the MindSpore ``cell``."""
     name = type(style).__name__
-    where = repr(path) if path else f"the {type(cell).__name__} given"
-    if getattr(mesh, "framework", None) != "mindspore":
-        raise ShardingError(
-            f"{where} is a MindSpore cell but the mesh was built for "
-            f"{getattr(mesh, 'framework', None)!r}: build it with HP_BACKEND=mindspore"
-        )
+    where = repr(path) if path else f"the {type(cell).__name__} given"  # mesh checked by caller
     if not isinstance(cell, (nn.Dense, nn.Embedding)):
         raise TypeError(
             f"{name} applies to MindSpore nn.Dense and nn.Embedding; {where} is a "

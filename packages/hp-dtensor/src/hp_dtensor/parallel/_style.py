@@ -128,16 +128,10 @@ class _Linearish(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _one_d(device_mesh, type(self).__name__)
+        _mesh_matches(module, device_mesh, type(self).__name__, path)
         if _is_ms_cell(module):
-            from .._backend._ms_parallel import validate_linear_style
-
-            validate_linear_style(self, module, device_mesh, path, self._kind)
+            _ms_style("validate_linear_style")(self, module, device_mesh, path, self._kind)
             return
-        if getattr(device_mesh, "framework", "torch") != "torch":
-            raise MeshError(
-                f"{path or type(module).__name__} is a torch module but the mesh was built for "
-                f"{device_mesh.framework!r}: a mesh serves one framework"
-            )
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise TypeError(
                 f"{type(self).__name__} applies to nn.Linear and nn.Embedding; {path!r} is a "
