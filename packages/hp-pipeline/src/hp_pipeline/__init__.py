@@ -40,6 +40,7 @@ from ._schedules import (
     interleaved_1f1b_steps,
     merge_adjacent_b_w,
     one_f_one_b_steps,
+    order_transfers,
     zbv_steps,
 )
 from ._sim import SimResult, channel, check_schedule, simulate
@@ -80,6 +81,7 @@ __all__ = [
     "looped_placement",
     "merge_adjacent_b_w",
     "one_f_one_b_steps",
+    "order_transfers",
     "parse_schedule",
     "plan_from_profile",
     "plot_timeline",

@@ -87,13 +87,15 @@ _CHANNEL_GROUPS: dict[tuple[int, int, str], dist.ProcessGroup] = {}
 _TAGS = {"F": 1, "B": 2}
 
 
-def _make_channel_groups(group, steps: Schedule, placement: Placement) -> None:
+def _make_channel_groups(
+    group, steps: Schedule, placement: Placement, device: torch.device
+) -> None:
     """NCCL: create the process group of every (source, destination, kind) channel the
     schedule uses, once, so each channel has its own communicator and stream (see
     :func:`hp_pipeline.channel`). ``new_group`` must run on every rank of the world in one
     order, and pipeline groups differ across data-parallel replicas: so every rank shares its
     channels (global ranks) with all, and all create the union in sorted order. Collective over
-    the world.
+    the world. Each communicator is created here, not on its first transfer.
 
     Other backends (gloo) match a receive to a send by peer and tag, in order: one tag per
     channel kind over the pipeline group already keeps the channels independent.
@@ -109,9 +111,23 @@ def _make_channel_groups(group, steps: Schedule, placement: Placement) -> None:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     wanted = sorted({tuple(k) for ks in everyone for k in ks})
+    me = dist.get_rank()
     for key in wanted:
         if key not in _CHANNEL_GROUPS:
-            _CHANNEL_GROUPS[key] = dist.new_group(sorted({key[0], key[1]}))
+            pg = _CHANNEL_GROUPS[key] = dist.new_group(sorted({key[0], key[1]}))
+            if me in key[:2]:
+                # NCCL creates a communicator, and connects a pair of ranks, on first use, and
+                # both ends must take part: done in the middle of a step, that handshake blocks
+                # a host while its peer may be waiting on this rank's device (see
+                # order_transfers). One small transfer per channel does both here, in the same
+                # (sorted) order on every rank.
+                x = torch.zeros(1, device=device)
+                op = dist.isend if me == key[0] else dist.irecv
+                peer = key[1] if me == key[0] else key[0]
+                for w in dist.batch_isend_irecv(
+                    [dist.P2POp(op, x, peer, group=pg, tag=_TAGS[key[2]])]
+                ):
+                    w.wait()
 
 
 def _global(group, r: int) -> int:
@@ -177,10 +193,11 @@ class PipelineSchedule:
             )
         if loss_fn is None and any(s.is_last for s in stages):
             raise PipelineError("loss_fn is required on the rank that holds the last stage")
-        simulate(self.steps_all, self.placement, n_microbatches)  # invalid or deadlocks: raise
+        # invalid, or deadlocks even if hosts block now and then: raise
+        simulate(self.steps_all, self.placement, n_microbatches, host_sync=True)
         self.steps: list[MetaStep] = self.steps_all[self.rank]
         if dist.is_initialized():
-            _make_channel_groups(group, self.steps_all, self.placement)
+            _make_channel_groups(group, self.steps_all, self.placement, stages[0].device)
         # shapes of the tensors arriving at each stage: a header travels with each channel's
         # first transfer (the first step); stages given input_args check it
         self._in_meta: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
@@ -245,6 +262,8 @@ class _Run:
         self.local_f: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> outputs of stage-1
         self.local_b: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads from stage+1
         self.input_grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads to send
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}  # RECV key -> allocated by prepare
+        self.headers: dict[int, torch.Tensor] = {}  # stage -> its first SEND_F's header
         self.events: list[TimelineEvent] = []
         self.t0 = time.perf_counter()
 
@@ -253,7 +272,11 @@ class _Run:
         s = self.s
         rec = s.record_timeline
         cuda = any(st.device.type == "cuda" for st in s.stages.values())
-        for step in s.steps:
+        prev = None
+        for k, step in enumerate(s.steps):
+            if step.is_comm and (prev is None or not prev.is_comm):
+                self.prepare(s.steps, k)
+            prev = step
             if rec:
                 if cuda:
                     torch.cuda.synchronize()
@@ -276,6 +299,31 @@ class _Run:
             raise ScheduleError(f"rank {s.rank}: received but never used: {sorted(self.recv)}")
         if rec:
             s.timeline = self.events
+
+    def prepare(self, steps: Sequence[MetaStep], k: int) -> None:
+        """Allocate the receive buffers and headers of the comm steps from ``k`` to the next
+        compute step before any of them is posted. An allocation can stop the host until the
+        device is idle, and once a transfer is posted the device may wait on the peer; the
+        schedule is only safe against such stops at compute steps (see ``order_transfers``)."""
+        s = self.s
+        while k < len(steps) and steps[k].is_comm:
+            step = steps[k]
+            k += 1
+            st = s.stages[step.stage]
+            if step.type is T.RECV_B:
+                meta = [
+                    (o.shape, o.dtype) for o in st.outputs(step.microbatch) if o.is_floating_point()
+                ]
+            elif step.type is T.RECV_F and step.stage in s._in_meta:
+                meta = s._in_meta[step.stage]
+            elif step.type is T.SEND_F and not s._sent_meta.get(step.stage):
+                outs = st.outputs(step.microbatch)
+                self.headers[step.stage] = _header(outs, st.device)
+                continue
+            else:
+                continue
+            key = (step.type, step.stage, step.microbatch)
+            self.buffers[key] = [torch.empty(sh, dtype=dt, device=st.device) for sh, dt in meta]
 
     def record(self, label: str, t: float, kind: str) -> None:
         now = time.perf_counter()
@@ -382,7 +430,9 @@ class _Run:
         pg, peer, tag = self._peer(step)
         ops = []
         if step.type is T.SEND_F and not self.s._sent_meta.get(step.stage):
-            header = _header(tensors, self.s.stages[step.stage].device)
+            header = self.headers.pop(step.stage, None)
+            if header is None:
+                header = _header(tensors, self.s.stages[step.stage].device)
             ops.append(dist.P2POp(dist.isend, header, peer, group=pg, tag=tag))
             self.s._sent_meta[step.stage] = True
         for x in tensors:
@@ -393,7 +443,9 @@ class _Run:
     def post_recv(self, step: MetaStep) -> None:
         pg, peer, tag = self._peer(step)
         st = self.s.stages[step.stage]
-        if step.type is T.RECV_F:
+        key = (step.type, step.stage, step.microbatch)
+        bufs = self.buffers.pop(key, None)
+        if bufs is None and step.type is T.RECV_F:
             meta = self.s._in_meta.get(step.stage)
             if meta is None:
                 header = torch.empty(_HEADER, dtype=torch.int64, device=st.device)
@@ -401,6 +453,8 @@ class _Run:
                 for w in dist.batch_isend_irecv([op]):
                     w.wait()
                 meta = self.s._in_meta[step.stage] = _parse_header(header)
+                if st.device.type == "cuda":  # order_transfers counts this as a full stop
+                    torch.cuda.synchronize(st.device)
                 given = st.input_meta
                 got = [tuple(x[0]) for x in meta]
                 if given is not None and [tuple(x[0]) for x in given] != got:
@@ -412,10 +466,11 @@ class _Run:
                         f"{st.stage_index - 1} sends {got}; using the latter",
                         stacklevel=2,
                     )
-        else:  # a gradient for every floating-point output (the next stage's leaves)
+            bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
+        elif bufs is None:  # a gradient for every floating-point output (the next stage's leaves)
             outs = st.outputs(step.microbatch)
             meta = [(o.shape, o.dtype) for o in outs if o.is_floating_point()]
-        bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
+            bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
         works = []
         for b in bufs:
             works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=pg, tag=tag)])

@@ -19,12 +19,14 @@ from ._ir import (
     looped_placement,
     v_placement,
 )
+from ._sim import channel
 
 __all__ = [
     "SCHEDULES",
     "add_communication",
     "add_unshard_reshard",
     "build_schedule",
+    "order_transfers",
     "fuse_overlap_b_f",
     "gpipe_steps",
     "interleaved_1f1b_steps",
@@ -243,6 +245,162 @@ def add_communication(
     return out
 
 
+_PARTNER = {
+    T.SEND_F: (T.RECV_F, +1),
+    T.SEND_B: (T.RECV_B, -1),
+    T.RECV_F: (T.SEND_F, -1),
+    T.RECV_B: (T.SEND_B, +1),
+}
+
+
+def _partner(step: MetaStep) -> tuple[MetaStepType, int, int]:
+    kind, d = _PARTNER[step.type]
+    return kind, step.stage + d, step.microbatch
+
+
+def _consumes(step: MetaStep, recv: MetaStep) -> bool:
+    """Whether compute ``step`` reads what RECV ``recv`` brings."""
+    want = F if recv.type is T.RECV_F else (B, FULL_B)
+    return any(
+        p.type in (want if isinstance(want, tuple) else (want,))
+        and (p.stage, p.microbatch) == (recv.stage, recv.microbatch)
+        for p in step.parts()
+    )
+
+
+def _produced(step: MetaStep, done: Sequence[MetaStep]) -> bool:
+    """Whether the compute that produces SEND ``step`` is among ``done``."""
+    want = F if step.type is T.SEND_F else (B, FULL_B)
+    return any(
+        p.type in (want if isinstance(want, tuple) else (want,))
+        and (p.stage, p.microbatch) == (step.stage, step.microbatch)
+        for d in done
+        if d.is_compute
+        for p in d.parts()
+    )
+
+
+def order_transfers(schedule: Mapping[int, Sequence[MetaStep]], placement: Placement) -> Schedule:
+    """Post transfers early enough that the schedule survives a host that blocks.
+
+    The runtime posts transfers without waiting, but a rank's host does stop at times until
+    its device is idle: the caching allocator freeing blocks, a lazily loaded kernel, a shape
+    header read back. If a transfer it posted then waits for a peer, and that peer posts its
+    side only after hearing from this rank again, neither moves: the GPU deadlock ZBV met at
+    8B scale, where rank 0 sent a third forward that rank 1 would receive only after a
+    gradient rank 0 had yet to compute. Small transfers hid it (NCCL buffers them).
+
+    The test is the strict model: every compute step waits until every transfer posted before
+    it on its rank has met its peer (``simulate(..., host_sync=True)``), and so does the first
+    RECV_F of each stage (it reads the shape header). Played out on that model, a stall means
+    a rank holds a posted transfer whose partner is not posted yet; the partner (with the
+    unposted steps ahead of it on its channel) is then posted where its rank stands now, which
+    a RECV always can be and a SEND once its compute ran. Steps only move earlier, so no
+    transfer starts later than before, except for one case: an early RECV (``overlap_p2p``)
+    whose SEND waits on this rank's next compute moves behind that compute. Raises
+    :class:`ScheduleError` if no move is possible.
+    """
+    lists = {r: list(steps) for r, steps in schedule.items()}
+    pos = dict.fromkeys(lists, 0)
+    pending: dict[int, list[MetaStep]] = {r: [] for r in lists}
+    posted: set[tuple[MetaStepType, int, int]] = set()
+    where = {
+        (st.type, st.stage, st.microbatch): r
+        for r, lst in lists.items()
+        for st in lst
+        if st.is_comm
+    }
+    header_seen: dict[int, set[int]] = {r: set() for r in lists}
+
+    def post(r: int, st: MetaStep) -> None:
+        pending[r].append(st)
+        posted.add((st.type, st.stage, st.microbatch))
+
+    while any(pos[r] < len(lists[r]) or pending[r] for r in lists):
+        progress = False
+        for r, lst in lists.items():
+            while pos[r] < len(lst) and lst[pos[r]].is_comm:
+                st = lst[pos[r]]
+                post(r, st)
+                pos[r] += 1
+                progress = True
+                if st.type is T.RECV_F and st.stage not in header_seen[r]:
+                    header_seen[r].add(st.stage)
+                    break  # the header is read back here: a blocking point
+            if pending[r] and all(_partner(st) in posted for st in pending[r]):
+                pending[r].clear()
+                progress = True
+            if not pending[r] and pos[r] < len(lst) and not lst[pos[r]].is_comm:
+                pos[r] += 1
+                progress = True
+        if progress or _pull_one(lists, pos, pending, posted, where, placement, post):
+            continue
+        if not _defer_one(lists, pos, pending, posted, header_seen, placement):
+            stuck = "; ".join(f"rank {r}: {' '.join(map(str, p))}" for r, p in pending.items() if p)
+            raise ScheduleError(f"deadlock whatever the order of transfers: {stuck}")
+    return lists
+
+
+def _defer_one(lists, pos, pending, posted, header_seen, placement) -> bool:
+    """Move a rank's early RECVs whose SENDs cannot be posted yet (``overlap_p2p`` posts each
+    one compute step ahead) behind its next compute step, if that lets the rank go on."""
+    for r, lst in lists.items():
+        nxt = next((k for k in range(pos[r], len(lst)) if not lst[k].is_comm), None)
+        if nxt is None:
+            continue
+        unmatched = [st for st in pending[r] if _partner(st) not in posted]
+        early = [
+            st
+            for st in unmatched
+            if st.type in (T.RECV_F, T.RECV_B) and not _consumes(lst[nxt], st)
+        ]
+        if not early or len(early) < len(unmatched):
+            continue
+        chans = {channel(st, placement) for st in early}
+        later = [x for x in lst[pos[r] : nxt] if x.is_comm and channel(x, placement) in chans]
+        for st in early:
+            pending[r].remove(st)
+            posted.discard((st.type, st.stage, st.microbatch))
+            if st.type is T.RECV_F:
+                header_seen[r].discard(st.stage)
+        for x in early + later:
+            lst.remove(x)
+        pos[r] -= len(early)
+        nxt = next(k for k in range(pos[r], len(lst)) if not lst[k].is_comm)
+        lst[nxt + 1 : nxt + 1] = early + later
+        return True
+    return False
+
+
+def _pull_one(lists, pos, pending, posted, where, placement, post) -> bool:
+    """Post, at its rank's current position, the partner of one waiting transfer."""
+    for r in lists:
+        for st in pending[r]:
+            key = _partner(st)
+            if key in posted:
+                continue
+            q = where[key]
+            lst = lists[q]
+            k = next(
+                k
+                for k in range(pos[q], len(lst))
+                if lst[k].is_comm and (lst[k].type, lst[k].stage, lst[k].microbatch) == key
+            )
+            ch = channel(lst[k], placement)
+            move = [x for x in lst[pos[q] : k + 1] if x.is_comm and channel(x, placement) == ch]
+            sends = [x for x in move if x.type in (T.SEND_F, T.SEND_B)]
+            if any(not _produced(x, lst[: pos[q]]) for x in sends):
+                continue
+            for x in move:
+                lst.remove(x)
+            lst[pos[q] : pos[q]] = move
+            for x in move:
+                post(q, x)
+            pos[q] += len(move)
+            return True
+    return False
+
+
 def add_unshard_reshard(schedule: Mapping[int, Sequence[MetaStep]]) -> Schedule:
     """UNSHARD each stage right before its first compute step on its rank and RESHARD it right
     after its last one: sharded stage parameters are gathered once per step, not per
@@ -376,4 +534,4 @@ def build_schedule(
     steps = add_communication(compute, placement, overlap_p2p=overlap_p2p)
     if shard_steps:
         steps = add_unshard_reshard(steps)
-    return steps, placement
+    return order_transfers(steps, placement), placement

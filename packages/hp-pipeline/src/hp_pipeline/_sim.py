@@ -161,6 +161,7 @@ def simulate(
     *,
     costs: Mapping[T | str, float] | Callable[[MetaStep], float] | None = None,
     comm_cost: float = 0.0,
+    host_sync: bool = False,
 ) -> SimResult:
     """Run the step lists on a model clock and report the timeline.
 
@@ -194,10 +195,14 @@ def simulate(
     for r, lst in items.items():
         host: tuple | None = None  # the node whose value is the host clock here
         prev_batch: dict[str, tuple] = {}  # channel -> its last batch's done node
+        posted: list[tuple] = []  # done nodes of the transfers posted since the last compute
         for k, (kind, obj) in enumerate(lst):
             if kind == "c":
                 node = ("c", r, k)
                 d = [host] if host else []
+                if host_sync:
+                    d += posted
+                    posted = []
                 for part in obj.parts() if obj.is_compute else ():
                     recv = (
                         (T.RECV_F, part.stage, part.microbatch)
@@ -227,6 +232,7 @@ def simulate(
                 deps[done] = [start, *dict.fromkeys(peers)]
                 own[done] = comm_cost
                 prev_batch[ch] = done
+                posted.append(done)
     value = _longest_paths(deps, own, items, placement)
     events = []
     busy = defaultdict(float)

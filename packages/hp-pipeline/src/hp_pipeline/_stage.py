@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = ["PipelineError", "PipelineStage", "ShardedModule"]
@@ -46,7 +47,11 @@ class _Chunk:
     weight_roots: list[tuple[object, list, list[tuple[int, GradientEdge]]]] = field(
         default_factory=list
     )  # W: (cut node, the gradients it received, its parameter branches: (input slot, edge))
-    plain_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    matmuls: list[tuple[_MatmulPlan, object, torch.Tensor]] = field(default_factory=list)
+    # W: (a linear layer's plan, its matmul node, the gradient of its output): one x^T g each
+    tails: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+    # W: parameter branches whose incoming gradient B already computed, and outputs that never
+    # reached an input (the whole backward of a first stage): one backward from all of them
 
 
 class PipelineStage:
@@ -164,51 +169,79 @@ class PipelineStage:
 
     def backward_input(self, mb: int, grads: tuple | None = None) -> list[torch.Tensor | None]:
         """B: only the input gradients of ``mb``; what the weight gradients need is kept for
-        :meth:`backward_weight` (the gradient arriving at each graph node that has a
-        parameter branch)."""
+        :meth:`backward_weight`.
+
+        The graph is cut where a node on an input's path has a branch reaching only
+        parameters. For a linear layer's matmul the gradient entering the node is kept (W is
+        then one ``x^T g`` from the node's saved input); for any other cut node B also returns
+        the gradient entering its parameter branch, in the same backward call: little work
+        (norm scales and the like), and one autograd call fewer per node in W.
+        """
         c = self._chunks[mb]
         outs, gs = self._roots(mb, grads)
         if not outs:
             c.input_grads = [None] * len(c.inputs)
             return c.input_grads
         on_path, cuts = _split_graph(outs, c.inputs)
+        plans = {node: plan for node, br in cuts if (plan := _matmul_plan(node, br)) is not None}
+        early, late = _branch_edges(cuts, plans)
         captured: dict[object, tuple] = {}
+
         handles = [
             node.register_prehook(lambda go, node=node: captured.__setitem__(node, go))
             for node, _ in cuts
+            if node in plans or node in late
         ]
         try:
-            if c.inputs:
-                dx = torch.autograd.grad(outs, c.inputs, gs, retain_graph=True, allow_unused=True)
-            else:
-                dx = []
+            want = list(c.inputs) + early
+            got = (
+                torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
+                if want
+                else ()
+            )
         finally:
             for h in handles:
                 h.remove()
+        dx, edge_grads = got[: len(c.inputs)], got[len(c.inputs) :]
+        c.matmuls = []
+        for node, plan in plans.items():
+            if node in captured and captured[node][0] is not None:
+                c.matmuls.append((plan, node, captured[node][0]))
         c.weight_roots = [
-            (node, list(captured[node]), branch) for node, branch in cuts if node in captured
+            (node, list(captured[node]), br)
+            for node, br in cuts
+            if node in late and node in captured
         ]
-        c.plain_roots = [(o, g) for o, g in zip(outs, gs) if o.grad_fn not in on_path]
+        c.tails = [(e, g) for e, g in zip(early, edge_grads) if g is not None]
+        c.tails += [(o, g) for o, g in zip(outs, gs) if o.grad_fn not in on_path]
         c.input_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(dx, c.inputs)]
         return c.input_grads
 
     def backward_weight(self, mb: int) -> None:
         """W: the weight gradients of ``mb`` from what :meth:`backward_input` kept.
 
-        Each cut node runs again from the gradient it received, asked only for its parameter
-        branches (so its input-side outputs are not computed and nothing upstream is
-        revisited); then those branches run down to the parameters in one backward, together
-        with the outputs that never reached an input (the whole backward of a first stage).
-        One call per cut node: one call for all of them would feed each node the gradient of
-        the nodes above it a second time.
+        Each linear layer's weight gradient is one ``x^T g`` launched here. A cut node whose
+        parameter branch B could not take on its own (one shared with a linear layer's) runs
+        again from the gradient it received, asked only for its branch. Then every branch runs
+        down to the parameters in one backward, with the outputs that never reached an input.
+
+        All of it runs in one ``torch.utils.checkpoint.GraphExecGroup`` (where torch has it):
+        under activation checkpointing, reading a saved input outside a backward runs the
+        layer's forward again for every read; in one group it runs once per layer.
         """
         c = self._chunks.pop(mb)
         if c.input_grads is None:
             raise PipelineError(f"stage {self.stage_index}: W of {mb} before its B")
-        tails, tail_grads = [], []
+        with _exec_group():
+            self._weight_grads(c)
+
+    @staticmethod
+    def _weight_grads(c: _Chunk) -> None:
+        tails = [e for e, _ in c.tails]
+        tail_grads = [g for _, g in c.tails]
+        for plan, node, g in c.matmuls:
+            _matmul_weight_grads(plan, plan.saved_input(node), g, tails, tail_grads)
         for node, grads_out, branch in c.weight_roots:
-            if _matmul_weight_grads(node, grads_out, branch, tails, tail_grads):
-                continue
             roots = [GradientEdge(node, i) for i, g in enumerate(grads_out) if g is not None]
             if not roots:
                 continue
@@ -219,9 +252,6 @@ class PipelineStage:
                 if g is not None:
                     tails.append(e)
                     tail_grads.append(g)
-        for o, g in c.plain_roots:
-            tails.append(o)
-            tail_grads.append(g)
         if tails:
             torch.autograd.backward(tails, tail_grads)
 
@@ -277,43 +307,87 @@ def _split_graph(outputs, inputs):
     return on_path, cuts
 
 
-def _matmul_weight_grads(node, grads_out, branch, tails, tail_grads) -> bool:
-    """The weight gradient of a matmul cut node (``x @ W.t()``, ``bias + x @ W.t()``: every
-    linear layer) from its saved input, as one matrix product launched here instead of an
-    autograd call per node; the branch below (transpose, dtype cast, accumulation) runs with
-    the others. False for any other node: it then goes through autograd."""
+@dataclass(frozen=True)
+class _MatmulPlan:
+    """How a linear layer's matmul cut node gets its weight gradient in W: ``x @ W.t()``
+    (``MmBackward0``: input saved as ``self``, the weight branch in slot 1) or
+    ``bias + x @ W.t()`` (``AddmmBackward0``: input saved as ``mat1``, weight in slot 2, bias
+    in slot 0 with the shape it had)."""
+
+    weight: GradientEdge
+    saved: str  # the node attribute holding the input x
+    bias: GradientEdge | None = None
+    bias_shape: tuple[int, ...] = ()
+
+    def saved_input(self, node) -> torch.Tensor:
+        """The matmul's saved input ``x``."""
+        return getattr(node, self.saved)
+
+
+def _matmul_plan(node, branch) -> _MatmulPlan | None:
+    """The plan for a matmul cut node whose only parameter branches are its weight (and bias),
+    else None: it then goes through autograd."""
     kind = type(node).__name__
-    g = grads_out[0] if len(grads_out) == 1 else None
-    if g is None:
-        return False
     slots = dict(branch)
     if kind == "MmBackward0" and set(slots) == {1}:
-        tails.append(slots[1])  # grad of mat2 (W^T) = x^T g
-        tail_grads.append(node._saved_self.t().mm(g))
-        return True
+        return _MatmulPlan(slots[1], "_saved_self")
     if kind == "AddmmBackward0" and 2 in slots and set(slots) <= {0, 2}:
         if node._saved_alpha != 1 or node._saved_beta != 1:
-            return False
-        bias = None
-        if 0 in slots:  # the bias, broadcast over rows: its gradient sums them
-            edge = slots[0]
-            try:
-                shape = tuple(edge.node._input_metadata[edge.output_nr].shape)
-            except (AttributeError, IndexError):  # no metadata: autograd decides
-                return False
-            if shape == tuple(g.shape):
-                bias = g
-            elif shape == (g.shape[-1],):
-                bias = g.sum(0)
-            else:
-                return False
-        tails.append(slots[2])
-        tail_grads.append(node._saved_mat1.t().mm(g))
-        if bias is not None:
-            tails.append(slots[0])
-            tail_grads.append(bias)
-        return True
-    return False
+            return None
+        if 0 not in slots:
+            return _MatmulPlan(slots[2], "_saved_mat1")
+        edge = slots[0]
+        try:
+            shape = tuple(edge.node._input_metadata[edge.output_nr].shape)
+        except (AttributeError, IndexError):  # no metadata: autograd decides
+            return None
+        return _MatmulPlan(slots[2], "_saved_mat1", edge, shape)
+    return None
+
+
+def _branch_edges(cuts, plans) -> tuple[list[GradientEdge], set]:
+    """Split the parameter branches of the cut nodes that are not planned matmuls: edges whose
+    incoming gradient B returns, and cut nodes W must run again. A branch goes to W when its
+    node is also reached from another branch (shared with a matmul's weight, say, or below
+    another branch), where asking B for it would count a gradient twice."""
+    seen: dict[object, int] = {}
+    below: set = set()
+    for _, br in cuts:
+        for _, e in br:
+            seen[e.node] = seen.get(e.node, 0) + 1
+            todo = [n for n, _ in e.node.next_functions if n is not None]
+            while todo:
+                n = todo.pop()
+                if n not in below:
+                    below.add(n)
+                    todo.extend(c for c, _ in n.next_functions if c is not None)
+    early: list[GradientEdge] = []
+    late: set = set()
+    for node, br in cuts:
+        if node in plans:
+            continue
+        if any(seen[e.node] > 1 or e.node in below for _, e in br):
+            late.add(node)
+        else:
+            early.extend(e for _, e in br)
+    return early, late
+
+
+def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads) -> None:
+    """The weight gradient of a linear layer (``x^T g``; the bias, broadcast over rows, sums
+    ``g`` back to its shape), appended as tails of W's backward (transpose, dtype cast,
+    accumulation)."""
+    tails.append(plan.weight)
+    tail_grads.append(x.t().mm(g))
+    if plan.bias is not None:
+        tails.append(plan.bias)
+        tail_grads.append(g.sum_to_size(plan.bias_shape))
+
+
+def _exec_group():
+    """A ``GraphExecGroup`` (torch >= 2.10), else a no-op context."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return group() if group is not None else nullcontext()
 
 
 def _leaf(a, ins: list):

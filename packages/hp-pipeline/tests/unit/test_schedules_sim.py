@@ -15,6 +15,7 @@ from hp_pipeline import (
     interleaved_1f1b_steps,
     looped_placement,
     one_f_one_b_steps,
+    order_transfers,
     parse_schedule,
     simulate,
     v_placement,
@@ -158,9 +159,69 @@ def test_every_schedule_is_deadlock_free(name, overlap_p2p):
         for m in range(1, 33):
             if name == "interleaved_1f1b" and m % p:
                 continue
-            steps, placement = build_schedule(name, p, m, overlap_p2p=overlap_p2p)
+            steps, placement = build_schedule(
+                name, p, m, overlap_p2p=overlap_p2p, shard_steps=p % 2 == 0
+            )
             res = simulate(steps, placement, m, comm_cost=0.25)
             assert 0 <= res.bubble_fraction < 1
+            # and when a host stops until its device is idle before any compute step
+            simulate(steps, placement, m, comm_cost=0.25, host_sync=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ordering_transfers_costs_no_time(name):
+    """order_transfers only posts steps earlier (no overlap_p2p): no makespan grows."""
+    for p, m in [(2, 8), (3, 9), (4, 16), (8, 32)]:
+        if name == "interleaved_1f1b" and m % p:
+            continue
+        if name == "interleaved_1f1b":
+            compute = interleaved_1f1b_steps(p, m, 2)
+        else:
+            gen = {"gpipe": gpipe_steps, "1f1b": one_f_one_b_steps, "zbv": zbv_steps}[name]
+            compute = gen(p, m)
+        placement = (
+            v_placement(p)
+            if name == "zbv"
+            else looped_placement(p * (2 if name == "interleaved_1f1b" else 1), p)
+        )
+        raw = add_communication(compute, placement)
+        ordered = order_transfers(raw, placement)
+        for c in (0.0, 0.3):
+            a = simulate(raw, placement, m, comm_cost=c).makespan
+            assert simulate(ordered, placement, m, comm_cost=c).makespan <= a + 1e-9
+
+
+def test_zbv_as_first_written_deadlocks_when_a_host_blocks():
+    """The 8B hang: rank 0 posts its third forward (0SEND_F2), which rank 1 receives only
+    after the gradient of 3B0; if rank 0's host then stops in 3F0 until its device is idle
+    (an allocator sync, a kernel loaded lazily), the device waits on that send forever.
+    order_transfers posts 1RECV_F2 before 2B0 instead."""
+    placement = v_placement(2)
+    raw = add_communication(zbv_steps(2, 8), placement)
+    simulate(raw, placement, 8)  # fine while hosts never block
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(raw, placement, 8, host_sync=True)
+    ordered = order_transfers(raw, placement)
+    simulate(ordered, placement, 8, host_sync=True)
+    row = [str(s) for s in ordered[1]]
+    assert row.index("1RECV_F2") < row.index("2B0") < row.index("1F2")
+    assert build_schedule("zbv", 2, 8, split_bw=True)[0] == ordered
+
+
+def test_order_transfers_defers_an_early_receive_it_cannot_keep():
+    # overlap_p2p posts 0RECV_B0 before 0F0; its send needs 0SEND_F0, posted after 0F0
+    steps = parse_schedule(
+        """
+        0: 0RECV_B0 0F0 0SEND_F0 0FULL_B0
+        1: 1RECV_F0 1F0 1FULL_B0 1SEND_B0
+        """
+    )
+    placement = looped_placement(2, 2)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(steps, placement, 1, host_sync=True)
+    fixed = order_transfers(steps, placement)
+    assert [str(s) for s in fixed[0]] == ["0F0", "0RECV_B0", "0SEND_F0", "0FULL_B0"]
+    simulate(fixed, placement, 1, host_sync=True)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
@@ -169,6 +230,7 @@ def test_fused_b_f_schedules_are_valid(name):
         steps, placement = build_schedule(name, p, m, overlap_b_f=True, overlap_p2p=True)
         assert any(s.type is T.OVERLAP_B_F for r in steps for s in steps[r])
         simulate(steps, placement, m)
+        simulate(steps, placement, m, host_sync=True)
 
 
 def test_overlap_p2p_hides_transfer_time():
