@@ -385,9 +385,12 @@ def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads) -> None:
 
 
 def _exec_group():
-    """A ``GraphExecGroup`` (torch >= 2.10), else a no-op context."""
+    """A new ``GraphExecGroup`` (torch >= 2.10); a no-op context without one, or inside a
+    group the caller opened (groups do not nest)."""
     group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-    return group() if group is not None else nullcontext()
+    if group is None or group._get_current_group() is not None:
+        return nullcontext()
+    return group()
 
 
 def _leaf(a, ins: list):
