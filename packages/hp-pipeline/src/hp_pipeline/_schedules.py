@@ -19,7 +19,7 @@ from ._ir import (
     looped_placement,
     v_placement,
 )
-from ._sim import channel
+from ._sim import channel, check_schedule
 
 __all__ = [
     "SCHEDULES",
@@ -300,6 +300,11 @@ def order_transfers(schedule: Mapping[int, Sequence[MetaStep]], placement: Place
     whose SEND waits on this rank's next compute moves behind that compute. Raises
     :class:`ScheduleError` if no move is possible.
     """
+    m = 1 + max(
+        (p.microbatch for st in schedule.values() for s in st if s.is_compute for p in s.parts()),
+        default=0,
+    )
+    check_schedule(schedule, placement, m)  # every RECV has its SEND, in the right place
     lists = {r: list(steps) for r, steps in schedule.items()}
     pos = dict.fromkeys(lists, 0)
     pending: dict[int, list[MetaStep]] = {r: [] for r in lists}
@@ -316,9 +321,17 @@ def order_transfers(schedule: Mapping[int, Sequence[MetaStep]], placement: Place
         pending[r].append(st)
         posted.add((st.type, st.stage, st.microbatch))
 
+    blocked = dict.fromkeys(lists, False)
     while any(pos[r] < len(lists[r]) or pending[r] for r in lists):
         progress = False
         for r, lst in lists.items():
+            if blocked[r]:
+                if all(_partner(st) in posted for st in pending[r]):
+                    pending[r].clear()
+                    blocked[r] = False
+                    progress = True
+                else:
+                    continue
             while pos[r] < len(lst) and lst[pos[r]].is_comm:
                 st = lst[pos[r]]
                 post(r, st)
@@ -326,22 +339,27 @@ def order_transfers(schedule: Mapping[int, Sequence[MetaStep]], placement: Place
                 progress = True
                 if st.type is T.RECV_F and st.stage not in header_seen[r]:
                     header_seen[r].add(st.stage)
+                    blocked[r] = True
                     break  # the header is read back here: a blocking point
+            if blocked[r]:
+                continue
             if pending[r] and all(_partner(st) in posted for st in pending[r]):
                 pending[r].clear()
                 progress = True
             if not pending[r] and pos[r] < len(lst) and not lst[pos[r]].is_comm:
                 pos[r] += 1
                 progress = True
-        if progress or _pull_one(lists, pos, pending, posted, where, placement, post):
+        if progress or _pull_one(
+            lists, pos, pending, posted, where, placement, post, blocked, header_seen
+        ):
             continue
-        if not _defer_one(lists, pos, pending, posted, header_seen, placement):
+        if not _defer_one(lists, pos, pending, posted, header_seen, placement, blocked):
             stuck = "; ".join(f"rank {r}: {' '.join(map(str, p))}" for r, p in pending.items() if p)
             raise ScheduleError(f"deadlock whatever the order of transfers: {stuck}")
     return lists
 
 
-def _defer_one(lists, pos, pending, posted, header_seen, placement) -> bool:
+def _defer_one(lists, pos, pending, posted, header_seen, placement, blocked) -> bool:
     """Move a rank's early RECVs whose SENDs cannot be posted yet (``overlap_p2p`` posts each
     one compute step ahead) behind its next compute step, if that lets the rank go on."""
     for r, lst in lists.items():
@@ -361,6 +379,8 @@ def _defer_one(lists, pos, pending, posted, header_seen, placement) -> bool:
         for st in early:
             pending[r].remove(st)
             posted.discard((st.type, st.stage, st.microbatch))
+            if st.type is T.RECV_F and blocked[r] and st is lst[pos[r] - 1]:
+                blocked[r] = False
             if st.type is T.RECV_F:
                 header_seen[r].discard(st.stage)
         for x in early + later:
@@ -372,8 +392,9 @@ def _defer_one(lists, pos, pending, posted, header_seen, placement) -> bool:
     return False
 
 
-def _pull_one(lists, pos, pending, posted, where, placement, post) -> bool:
-    """Post, at its rank's current position, the partner of one waiting transfer."""
+def _pull_one(lists, pos, pending, posted, where, placement, post, blocked, header_seen) -> bool:
+    """Post, at its rank's current position, the partner of one waiting transfer (before the
+    header RECV_F a rank stopped at). A pulled first RECV_F of a stage stops its rank there."""
     for r in lists:
         for st in pending[r]:
             key = _partner(st)
@@ -387,15 +408,30 @@ def _pull_one(lists, pos, pending, posted, where, placement, post) -> bool:
                 if lst[k].is_comm and (lst[k].type, lst[k].stage, lst[k].microbatch) == key
             )
             ch = channel(lst[k], placement)
+            at = pos[q] - 1 if blocked[q] else pos[q]
+            if blocked[q] and channel(lst[at], placement) == ch:
+                continue
             move = [x for x in lst[pos[q] : k + 1] if x.is_comm and channel(x, placement) == ch]
+            heads = [
+                i
+                for i, x in enumerate(move)
+                if x.type is T.RECV_F and x.stage not in header_seen[q]
+            ]
+            if heads and blocked[q]:
+                continue  # one stop at a time
+            if heads:  # the host stops at the header: nothing after it is posted yet
+                move = move[: heads[0] + 1]
             sends = [x for x in move if x.type in (T.SEND_F, T.SEND_B)]
             if any(not _produced(x, lst[: pos[q]]) for x in sends):
                 continue
             for x in move:
                 lst.remove(x)
-            lst[pos[q] : pos[q]] = move
+            lst[at:at] = move
             for x in move:
                 post(q, x)
+            if heads:
+                header_seen[q].add(move[-1].stage)
+                blocked[q] = True
             pos[q] += len(move)
             return True
     return False

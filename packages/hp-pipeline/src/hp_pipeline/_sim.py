@@ -165,6 +165,11 @@ def simulate(
 ) -> SimResult:
     """Run the step lists on a model clock and report the timeline.
 
+    With ``host_sync`` each rank's host also stops, before every compute step and after
+    posting each stage's first RECV_F (the runtime reads the shape header back there), until
+    every transfer it posted has met its peer: the model :func:`order_transfers` makes every
+    generated schedule pass.
+
     ``costs`` maps a compute step type to its duration (default F=1, B=1, W=1, FULL_B=2;
     UNSHARD/RESHARD 0), or is a function of the step. ``OVERLAP_B_F`` costs its two parts'
     sum. ``comm_cost`` is the duration of a comm batch once both sides meet. Raises
@@ -196,6 +201,7 @@ def simulate(
         host: tuple | None = None  # the node whose value is the host clock here
         prev_batch: dict[str, tuple] = {}  # channel -> its last batch's done node
         posted: list[tuple] = []  # done nodes of the transfers posted since the last compute
+        headers: set[int] = set()  # stages whose first RECV_F (with the header) was posted
         for k, (kind, obj) in enumerate(lst):
             if kind == "c":
                 node = ("c", r, k)
@@ -233,6 +239,13 @@ def simulate(
                 own[done] = comm_cost
                 prev_batch[ch] = done
                 posted.append(done)
+            first_recv = obj[0].type is T.RECV_F and obj[0].stage not in headers
+            if first_recv:
+                headers.add(obj[0].stage)
+            if host_sync and first_recv:  # the shape header is read back: the host stops
+                node = ("h", r, k)
+                deps[node], own[node] = ([host] if host else []) + posted, 0.0
+                host, posted = node, []
     value = _longest_paths(deps, own, items, placement)
     events = []
     busy = defaultdict(float)
@@ -301,6 +314,7 @@ def _longest_paths(deps, own, items, placement) -> dict:
                     nodes = [("c", r, k)]
                 else:
                     nodes = [("d", r, k, channel(st, placement)) for st in obj]
+                    nodes += [n for n in [("h", r, k)] if n in deps]
                 if any(node not in value for node in nodes):
                     what = str(obj) if kind == "c" else " ".join(str(s) for s in obj)
                     stuck.append(f"rank {r} at step {k} ({what})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -183,8 +183,19 @@ class PipelineStage:
             c.input_grads = [None] * len(c.inputs)
             return c.input_grads
         on_path, cuts = _split_graph(outs, c.inputs)
+        if _hooked_params(cuts):
+            # a tensor hook on a parameter below a non-matmul cut node would run when B reads
+            # the gradient there and again when W feeds it on: take the whole backward here
+            torch.autograd.backward(outs, gs)
+            c.matmuls, c.weight_roots, c.tails = [], [], []
+            c.input_grads = [
+                x.grad if x.grad is not None else torch.zeros_like(x) for x in c.inputs
+            ]
+            return c.input_grads
         plans = {node: plan for node, br in cuts if (plan := _matmul_plan(node, br)) is not None}
-        early, late = _branch_edges(cuts, plans)
+        early, late = _branch_edges(
+            cuts, plans, [o.grad_fn for o in outs if o.grad_fn not in on_path]
+        )
         captured: dict[object, tuple] = {}
 
         handles = [
@@ -246,7 +257,8 @@ class PipelineStage:
             if not roots:
                 continue
             gs = [g for g in grads_out if g is not None]
-            edges = [e for _, e in branch]
+            # one edge once: autograd returns the whole gradient for each copy of an edge
+            edges = list({(e.node, e.output_nr): e for _, e in branch}.values())
             got = torch.autograd.grad(roots, edges, gs, allow_unused=True)
             for e, g in zip(edges, got):
                 if g is not None:
@@ -345,13 +357,35 @@ def _matmul_plan(node, branch) -> _MatmulPlan | None:
     return None
 
 
-def _branch_edges(cuts, plans) -> tuple[list[GradientEdge], set]:
+def _hooked_params(cuts) -> bool:
+    """Whether a parameter below a non-matmul cut node has tensor hooks (``register_hook``)."""
+    todo = [e.node for node, br in cuts if _matmul_plan(node, br) is None for _, e in br]
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        var = getattr(n, "variable", None)
+        if var is not None and getattr(var, "_backward_hooks", None):
+            return True
+        todo.extend(c for c, _ in n.next_functions if c is not None)
+    return False
+
+
+def _branch_edges(cuts, plans, free=()) -> tuple[list[GradientEdge], set]:
     """Split the parameter branches of the cut nodes that are not planned matmuls: edges whose
     incoming gradient B returns, and cut nodes W must run again. A branch goes to W when its
     node is also reached from another branch (shared with a matmul's weight, say, or below
     another branch), where asking B for it would count a gradient twice."""
     seen: dict[object, int] = {}
     below: set = set()
+    todo = [n for n in free if n is not None]  # outputs off the input path feed W's backward too
+    while todo:
+        n = todo.pop()
+        if n not in below:
+            below.add(n)
+            todo.extend(c for c, _ in n.next_functions if c is not None)
     for _, br in cuts:
         for _, e in br:
             seen[e.node] = seen.get(e.node, 0) + 1
@@ -384,13 +418,24 @@ def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads) -> None:
         tail_grads.append(g.sum_to_size(plan.bias_shape))
 
 
+@contextmanager
 def _exec_group():
-    """A new ``GraphExecGroup`` (torch >= 2.10); a no-op context without one, or inside a
-    group the caller opened (groups do not nest)."""
+    """A new ``GraphExecGroup`` for W (torch >= 2.10; else nothing). Groups do not nest, and a
+    caller's group that also covered B would find W's saved inputs already read: the caller's
+    group is set aside while W runs."""
     group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-    if group is None or group._get_current_group() is not None:
-        return nullcontext()
-    return group()
+    if group is None:
+        yield
+        return
+    outer = group._get_current_group()
+    if outer is not None:
+        torch._C._set_graph_exec_group(None)
+    try:
+        with group():
+            yield
+    finally:
+        if outer is not None:
+            torch._C._set_graph_exec_group(outer)
 
 
 def _leaf(a, ins: list):

@@ -134,6 +134,14 @@ def test_four_ranks_match_one_process(pool4, name, overlap_p2p):
     _check(pool4.run(_run, name, m, batch, overlap_p2p=overlap_p2p), name, m, batch)
 
 
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+def test_zbv_with_fewer_microbatches_than_the_v(pool2, overlap_p2p):
+    """m = 1 < 2 * pp - 1: with overlap_p2p both ranks once read a shape header that the other
+    would send only after its own header read, and hung on the first step."""
+    m, batch = 1, 2
+    _check(pool2.run(_run, "zbv", m, batch, overlap_p2p=overlap_p2p), "zbv", m, batch)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_overlap_b_f_matches_one_process(pool2, name):
     m, batch = 4, 8

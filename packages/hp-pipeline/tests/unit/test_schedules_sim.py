@@ -208,6 +208,21 @@ def test_zbv_as_first_written_deadlocks_when_a_host_blocks():
     assert build_schedule("zbv", 2, 8, split_bw=True)[0] == ordered
 
 
+def test_the_shape_header_read_is_a_stop():
+    """ZBV, m=1, overlap_p2p: each rank reads a stage's shape header (its host stops there)
+    before it posts the send the other's header read waits for; the generated order posts
+    0SEND_F0 first."""
+    placement = v_placement(2)
+    raw = add_communication(zbv_steps(2, 1), placement, overlap_p2p=True)
+    simulate(raw, placement, 1)  # posting alone never blocks
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(raw, placement, 1, host_sync=True)
+    steps, _ = build_schedule("zbv", 2, 1, overlap_p2p=True, split_bw=True)
+    simulate(steps, placement, 1, host_sync=True)
+    row = [str(s) for s in steps[0]]
+    assert row.index("0SEND_F0") < row.index("3RECV_F0")
+
+
 def test_order_transfers_defers_an_early_receive_it_cannot_keep():
     # overlap_p2p posts 0RECV_B0 before 0F0; its send needs 0SEND_F0, posted after 0F0
     steps = parse_schedule(
