@@ -213,21 +213,27 @@ def tp_block_body(framework: str):
     return {"ref": run(*arrays), "tp": run(*arrays, mesh=mesh, plan=plan)}
 
 
+def _check_grad_pieces(grads, ref_g, rank):
+    """Each rank's gradient pieces: column-wise weights and biases split on dim 0, row-wise
+    weights on dim 1, everything else whole."""
+    assert grads.keys() == ref_g.keys()
+    for name, gr in grads.items():
+        mod, kind = name.split(".")
+        want = ref_g[name]
+        if mod in COLWISE:
+            want = _chunk(want, 0, rank)
+        elif mod in ROWWISE and kind == "weight":
+            want = _chunk(want, 1, rank)
+        np.testing.assert_allclose(gr, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _check_block(results):
     """TP=2 against the one-rank reference: outputs, local gradient pieces, input gradient."""
     for rank, res in enumerate(results):
         (ref_out, ref_g, ref_dx), (out, grads, dx) = res["ref"], res["tp"]
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-5)
-        assert grads.keys() == ref_g.keys()
-        for name, gr in grads.items():
-            mod, kind = name.split(".")
-            want = ref_g[name]
-            if mod in COLWISE:
-                want = _chunk(want, 0, rank)
-            elif mod in ROWWISE and kind == "weight":
-                want = _chunk(want, 1, rank)
-            np.testing.assert_allclose(gr, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        _check_grad_pieces(grads, ref_g, rank)
 
 
 def sp_block_body(framework: str):
@@ -255,15 +261,7 @@ def _check_sp_block(results):
         (ref_out, ref_g, ref_dx), (out, grads, dx) = res["ref"], res["sp"]
         np.testing.assert_allclose(out, _chunk(ref_out, 1, rank), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dx, _chunk(ref_dx, 1, rank), rtol=1e-5, atol=1e-5)
-        assert grads.keys() == ref_g.keys()
-        for name, gr in grads.items():
-            mod, kind = name.split(".")
-            want = ref_g[name]
-            if mod in COLWISE:
-                want = _chunk(want, 0, rank)
-            elif mod in ROWWISE and kind == "weight":
-                want = _chunk(want, 1, rank)
-            np.testing.assert_allclose(gr, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        _check_grad_pieces(grads, ref_g, rank)
 
 
 # -- an embedding split column-wise; a biased row-wise linear with a sequence-sharded output ----

@@ -310,20 +310,17 @@ class _Run:
             step = steps[k]
             k += 1
             st = s.stages[step.stage]
-            if step.type is T.RECV_B:
-                meta = [
-                    (o.shape, o.dtype) for o in st.outputs(step.microbatch) if o.is_floating_point()
-                ]
+            if step.type is T.SEND_F and not s._sent_meta.get(step.stage):
+                self.headers[step.stage] = _header(st.outputs(step.microbatch), st.device)
+                continue
+            if step.type is T.RECV_B:  # a gradient for every floating-point output
+                outs = st.outputs(step.microbatch)
+                meta = [(o.shape, o.dtype) for o in outs if o.is_floating_point()]
             elif step.type is T.RECV_F and step.stage in s._in_meta:
                 meta = s._in_meta[step.stage]
-            elif step.type is T.SEND_F and not s._sent_meta.get(step.stage):
-                outs = st.outputs(step.microbatch)
-                self.headers[step.stage] = _header(outs, st.device)
+            else:  # a SEND, or a RECV_F whose shapes its header brings (post_recv)
                 continue
-            else:
-                continue
-            key = (step.type, step.stage, step.microbatch)
-            self.buffers[key] = [torch.empty(sh, dtype=dt, device=st.device) for sh, dt in meta]
+            self.buffers[(step.type, step.stage, step.microbatch)] = _empty(meta, st.device)
 
     def record(self, label: str, t: float, kind: str) -> None:
         now = time.perf_counter()
@@ -430,9 +427,7 @@ class _Run:
         pg, peer, tag = self._peer(step)
         ops = []
         if step.type is T.SEND_F and not self.s._sent_meta.get(step.stage):
-            header = self.headers.pop(step.stage, None)
-            if header is None:
-                header = _header(tensors, self.s.stages[step.stage].device)
+            header = self.headers.pop(step.stage)  # made by prepare
             ops.append(dist.P2POp(dist.isend, header, peer, group=pg, tag=tag))
             self.s._sent_meta[step.stage] = True
         for x in tensors:
@@ -445,36 +440,32 @@ class _Run:
         st = self.s.stages[step.stage]
         key = (step.type, step.stage, step.microbatch)
         bufs = self.buffers.pop(key, None)
-        if bufs is None and step.type is T.RECV_F:
-            meta = self.s._in_meta.get(step.stage)
-            if meta is None:
-                header = torch.empty(_HEADER, dtype=torch.int64, device=st.device)
-                op = dist.P2POp(dist.irecv, header, peer, group=pg, tag=tag)
-                for w in dist.batch_isend_irecv([op]):
-                    w.wait()
-                meta = self.s._in_meta[step.stage] = _parse_header(header)
-                if st.device.type == "cuda":  # order_transfers counts this as a full stop
-                    torch.cuda.synchronize(st.device)
-                given = st.input_meta
-                got = [tuple(x[0]) for x in meta]
-                if given is not None and [tuple(x[0]) for x in given] != got:
-                    # a warning, not an error: only this rank knows, and raising here would
-                    # leave the sending rank waiting for a gradient that never comes
-                    warnings.warn(
-                        f"stage {st.stage_index}: input_args shapes "
-                        f"{[tuple(x[0]) for x in given]} differ from what stage "
-                        f"{st.stage_index - 1} sends {got}; using the latter",
-                        stacklevel=2,
-                    )
-            bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
-        elif bufs is None:  # a gradient for every floating-point output (the next stage's leaves)
-            outs = st.outputs(step.microbatch)
-            meta = [(o.shape, o.dtype) for o in outs if o.is_floating_point()]
-            bufs = [torch.empty(shape, dtype=dt, device=st.device) for shape, dt in meta]
+        if bufs is None and step.stage in self.s._in_meta:  # after a header read in this run
+            bufs = _empty(self.s._in_meta[step.stage], st.device)
+        if bufs is None:  # the first RECV_F of a stage: learn the shapes from the header
+            header = torch.empty(_HEADER, dtype=torch.int64, device=st.device)
+            op = dist.P2POp(dist.irecv, header, peer, group=pg, tag=tag)
+            for w in dist.batch_isend_irecv([op]):
+                w.wait()
+            meta = self.s._in_meta[step.stage] = _parse_header(header)
+            if st.device.type == "cuda":  # order_transfers counts this as a full stop
+                torch.cuda.synchronize(st.device)
+            given = st.input_meta
+            got = [tuple(x[0]) for x in meta]
+            if given is not None and [tuple(x[0]) for x in given] != got:
+                # a warning, not an error: only this rank knows, and raising here would
+                # leave the sending rank waiting for a gradient that never comes
+                warnings.warn(
+                    f"stage {st.stage_index}: input_args shapes "
+                    f"{[tuple(x[0]) for x in given]} differ from what stage "
+                    f"{st.stage_index - 1} sends {got}; using the latter",
+                    stacklevel=2,
+                )
+            bufs = _empty(meta, st.device)
         works = []
         for b in bufs:
             works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=pg, tag=tag)])
-        self.recv[(step.type, step.stage, step.microbatch)] = (works, bufs)
+        self.recv[key] = (works, bufs)
 
     def take_recv(self, key) -> list[torch.Tensor]:
         works, bufs = self.recv.pop(key)
@@ -485,6 +476,10 @@ class _Run:
 
 def _sharded_modules(module) -> list:
     return [m for m in module.modules() if isinstance(m, ShardedModule)]
+
+
+def _empty(meta, device) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dt, device=device) for shape, dt in meta]
 
 
 def _header(tensors, device) -> torch.Tensor:

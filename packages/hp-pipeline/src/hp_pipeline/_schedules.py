@@ -260,23 +260,20 @@ def _partner(step: MetaStep) -> tuple[MetaStepType, int, int]:
 
 def _consumes(step: MetaStep, recv: MetaStep) -> bool:
     """Whether compute ``step`` reads what RECV ``recv`` brings."""
-    want = F if recv.type is T.RECV_F else (B, FULL_B)
+    kinds = (F,) if recv.type is T.RECV_F else (B, FULL_B)
+    return _has_part(step, kinds, recv)
+
+
+def _produced(send: MetaStep, done: Sequence[MetaStep]) -> bool:
+    """Whether the compute that produces SEND ``send`` is among ``done``."""
+    kinds = (F,) if send.type is T.SEND_F else (B, FULL_B)
+    return any(d.is_compute and _has_part(d, kinds, send) for d in done)
+
+
+def _has_part(step: MetaStep, kinds: tuple, like: MetaStep) -> bool:
     return any(
-        p.type in (want if isinstance(want, tuple) else (want,))
-        and (p.stage, p.microbatch) == (recv.stage, recv.microbatch)
+        p.type in kinds and (p.stage, p.microbatch) == (like.stage, like.microbatch)
         for p in step.parts()
-    )
-
-
-def _produced(step: MetaStep, done: Sequence[MetaStep]) -> bool:
-    """Whether the compute that produces SEND ``step`` is among ``done``."""
-    want = F if step.type is T.SEND_F else (B, FULL_B)
-    return any(
-        p.type in (want if isinstance(want, tuple) else (want,))
-        and (p.stage, p.microbatch) == (step.stage, step.microbatch)
-        for d in done
-        if d.is_compute
-        for p in d.parts()
     )
 
 

@@ -183,7 +183,8 @@ class PipelineStage:
             c.input_grads = [None] * len(c.inputs)
             return c.input_grads
         on_path, cuts = _split_graph(outs, c.inputs)
-        if _hooked_params(cuts):
+        plans = {node: plan for node, br in cuts if (plan := _matmul_plan(node, br)) is not None}
+        if _hooked_params(cuts, plans):
             # a tensor hook on a parameter below a non-matmul cut node would run when B reads
             # the gradient there and again when W feeds it on: take the whole backward here
             torch.autograd.backward(outs, gs)
@@ -192,7 +193,6 @@ class PipelineStage:
                 x.grad if x.grad is not None else torch.zeros_like(x) for x in c.inputs
             ]
             return c.input_grads
-        plans = {node: plan for node, br in cuts if (plan := _matmul_plan(node, br)) is not None}
         early, late = _branch_edges(
             cuts, plans, [o.grad_fn for o in outs if o.grad_fn not in on_path]
         )
@@ -357,9 +357,9 @@ def _matmul_plan(node, branch) -> _MatmulPlan | None:
     return None
 
 
-def _hooked_params(cuts) -> bool:
+def _hooked_params(cuts, plans) -> bool:
     """Whether a parameter below a non-matmul cut node has tensor hooks (``register_hook``)."""
-    todo = [e.node for node, br in cuts if _matmul_plan(node, br) is None for _, e in br]
+    todo = [e.node for node, br in cuts if node not in plans for _, e in br]
     seen = set()
     while todo:
         n = todo.pop()
