@@ -197,14 +197,15 @@ class PipelineStage:
             cuts, plans, [o.grad_fn for o in outs if o.grad_fn not in on_path]
         )
         captured: dict[object, tuple] = {}
-
-        handles = [
+        handles = [  # a late cut node's W runs it again from all the gradients it received
             node.register_prehook(lambda go, node=node: captured.__setitem__(node, go))
-            for node, _ in cuts
-            if node in plans or node in late
+            for node in late
         ]
+        mm_nodes = list(plans)
         try:
-            want = list(c.inputs) + early
+            # a matmul's incoming gradient is asked for as an edge: autograd keeps it in C++
+            # on its way (no Python hook, no GIL, per node)
+            want = list(c.inputs) + early + [GradientEdge(n, 0) for n in mm_nodes]
             got = (
                 torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
                 if want
@@ -213,11 +214,11 @@ class PipelineStage:
         finally:
             for h in handles:
                 h.remove()
-        dx, edge_grads = got[: len(c.inputs)], got[len(c.inputs) :]
-        c.matmuls = []
-        for node, plan in plans.items():
-            if node in captured and captured[node][0] is not None:
-                c.matmuls.append((plan, node, captured[node][0]))
+        n_in, n_early = len(c.inputs), len(early)
+        dx, edge_grads = got[:n_in], got[n_in : n_in + n_early]
+        c.matmuls = [
+            (plans[n], n, g) for n, g in zip(mm_nodes, got[n_in + n_early :]) if g is not None
+        ]
         c.weight_roots = [
             (node, list(captured[node]), br)
             for node, br in cuts
@@ -250,8 +251,9 @@ class PipelineStage:
     def _weight_grads(c: _Chunk) -> None:
         tails = [e for e, _ in c.tails]
         tail_grads = [g for _, g in c.tails]
-        for plan, node, g in c.matmuls:
-            _matmul_weight_grads(plan, plan.saved_input(node), g, tails, tail_grads)
+        with torch.no_grad():  # W's own products need no graph of their own
+            for plan, node, g in c.matmuls:
+                _matmul_weight_grads(plan, plan.saved_input(node), g, tails, tail_grads)
         for node, grads_out, branch in c.weight_roots:
             roots = [GradientEdge(node, i) for i, g in enumerate(grads_out) if g is not None]
             if not roots:
@@ -409,13 +411,86 @@ def _branch_edges(cuts, plans, free=()) -> tuple[list[GradientEdge], set]:
 
 def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads) -> None:
     """The weight gradient of a linear layer (``x^T g``; the bias, broadcast over rows, sums
-    ``g`` back to its shape), appended as tails of W's backward (transpose, dtype cast,
-    accumulation)."""
-    tails.append(plan.weight)
-    tail_grads.append(x.t().mm(g))
+    ``g`` back to its shape). Where the weight's branch is only a transpose, perhaps a dtype
+    cast, and the accumulation into an unhooked parameter, one GEMM adds ``g^T x`` straight
+    into ``.grad`` (:func:`_accumulate_into`); else it is a tail of W's backward."""
+    param = _grad_sink(plan.weight, x)
+    if param is None or not _accumulate_into(param, g.t(), x):
+        tails.append(plan.weight)
+        tail_grads.append(x.t().mm(g))
     if plan.bias is not None:
         tails.append(plan.bias)
         tail_grads.append(g.sum_to_size(plan.bias_shape))
+
+
+def _only_next(node):
+    """The one node a node's gradient flows on to, or None when there are several or none."""
+    nexts = node.next_functions
+    return nexts[0][0] if len(nexts) == 1 else None
+
+
+def _grad_sink(edge: GradientEdge, x: torch.Tensor) -> torch.Tensor | None:
+    """The parameter at the end of a linear layer's weight branch when all that branch does is
+    transpose (``TBackward0``), maybe cast the dtype on the same device (``ToCopyBackward0``,
+    autocast's weight cast), and accumulate into a plain parameter with no tensor hooks and no
+    post-accumulate-grad hooks. Else None: the branch goes through autograd."""
+    node = edge.node
+    if type(node).__name__ != "TBackward0":
+        return None
+    node = _only_next(node)
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        node = _only_next(node)
+    if node is None or type(node).__name__ != "AccumulateGrad":
+        return None
+    param = getattr(node, "variable", None)
+    if (
+        param is None
+        or type(param) not in (nn.Parameter, torch.Tensor)
+        or type(x) is not torch.Tensor
+        or param.device != x.device
+        or param._backward_hooks
+        or getattr(param, "_post_accumulate_grad_hooks", None)
+        or not param.is_contiguous()
+    ):
+        return None
+    return param
+
+
+_OUT_DTYPE_MM: dict[str, bool] = {}  # device type -> whether mm/addmm take out_dtype there
+
+
+def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``param.grad += a @ b`` in one GEMM (``beta=1``), what autograd's cast and
+    accumulation would do in two more kernels; ``param.grad = a @ b`` when it has none. A
+    product of another dtype (bf16 under autocast, fp32 parameters) accumulates in the
+    parameter's dtype through ``out_dtype`` (CUDA). False when that is not possible (the
+    caller then takes autograd's way)."""
+    grad = param.grad
+    if grad is not None and (
+        type(grad) is not torch.Tensor or grad.dtype != param.dtype or grad.requires_grad
+    ):
+        return False
+    if a.dtype != b.dtype:
+        return False
+    if a.dtype == param.dtype:
+        if grad is None:
+            param.grad = torch.mm(a, b, out=torch.empty_like(param))
+        else:
+            grad.addmm_(a, b)
+        return True
+    kind = param.device.type
+    if not _OUT_DTYPE_MM.get(kind, kind == "cuda"):
+        return False
+    try:
+        if grad is None:
+            param.grad = torch.mm(a, b, out_dtype=param.dtype)
+        else:
+            torch.addmm(grad, a, b, out_dtype=param.dtype, out=grad)
+    except (RuntimeError, TypeError, NotImplementedError):  # this build or device lacks it
+        _OUT_DTYPE_MM[kind] = False
+        return False
+    _OUT_DTYPE_MM[kind] = True
+    return True
 
 
 @contextmanager

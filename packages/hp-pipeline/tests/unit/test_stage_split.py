@@ -296,3 +296,71 @@ def test_w_inside_a_group_the_caller_opened():
         st.backward_weight(0)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def _two_microbatches(model, ref, dtype=torch.float32, device="cpu", autocast=False):
+    """B then W for two microbatches on ``model`` and FULL_B on ``ref``; returns nothing, the
+    gradients are in the parameters."""
+    xs = [torch.randn(3, 5, 12, device=device) for _ in range(2)]
+    gs = [torch.randn(3, 5, 12, device=device) for _ in range(2)]
+    a = PipelineStage(ref, 1, 2, device=device)
+    b = PipelineStage(model, 1, 2, device=device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        for mb, x in enumerate(xs):
+            a.forward_one_chunk(mb, (x,))
+            b.forward_one_chunk(mb, (x,))
+    for mb, g in enumerate(gs):
+        a.backward_full(mb, (g,))
+        b.backward_input(mb, (g,))
+        b.backward_weight(mb)
+
+
+def test_linear_weight_gradients_go_straight_into_grad(monkeypatch):
+    """A linear weight with nothing between it and its matmul but the transpose gets its
+    gradient from one GEMM into ``.grad`` (the first microbatch sets it, the second adds with
+    beta=1), equal to autograd's two microbatches of FULL_B."""
+    torch.manual_seed(0)
+    ref, model = Model(False), Model(False)
+    model.load_state_dict(ref.state_dict())
+    took = []
+    real = stage_mod._accumulate_into
+    monkeypatch.setattr(
+        stage_mod, "_accumulate_into", lambda p, a, b: took.append(real(p, a, b)) or took[-1]
+    )
+    _two_microbatches(model, ref)
+    assert took == [True] * 8, took  # 4 linear layers x 2 microbatches
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_hooked_linear_weight_keeps_autograd_accumulation():
+    """A post-accumulate-grad hook (how optimizers in backward and some sharding libraries
+    learn a gradient is complete) or a tensor hook on a linear weight: the weight's gradient
+    takes autograd's way, and the hooks run once per microbatch, as in FULL_B."""
+    torch.manual_seed(0)
+    ref, model = Model(False), Model(False)
+    model.load_state_dict(ref.state_dict())
+    seen = {"ref": [], "ours": []}
+    for key, m in (("ref", ref), ("ours", model)):
+        up, down = m.blocks[0].up.weight, m.blocks[1].down.weight
+        up.register_post_accumulate_grad_hook(lambda p, k=key: seen[k].append(p.grad.clone()))
+        down.register_hook(lambda g: g * 3)
+    _two_microbatches(model, ref)
+    assert len(seen["ours"]) == len(seen["ref"]) == 2
+    for a, b in zip(seen["ours"], seen["ref"]):
+        torch.testing.assert_close(a, b)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="out_dtype GEMMs need CUDA")
+def test_autocast_weight_gradients_accumulate_in_fp32_on_cuda():
+    """Under bf16 autocast with fp32 parameters, W's GEMM writes fp32 into ``.grad`` (with
+    ``out_dtype``): within bf16 rounding of autograd's cast-then-add, on CUDA."""
+    torch.manual_seed(0)
+    ref, model = Model(False).cuda(), Model(False).cuda()
+    model.load_state_dict(ref.state_dict())
+    _two_microbatches(model, ref, device="cuda", autocast=True)
+    assert stage_mod._OUT_DTYPE_MM.get("cuda") is True
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n, atol=2e-2, rtol=2e-2)
