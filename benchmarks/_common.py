@@ -119,9 +119,9 @@ def _collect(q, procs, timeout_s: float = 900.0) -> dict:
 
 
 def profile_tables(args, rank: int, name: str, fn, *, trace: bool = False) -> None:
-    """Profile one call of ``fn`` and write, on rank 0, the top operators by self CPU and GPU
-    time to ``{args.profile}/{name}.txt``; with ``trace`` also every rank's Chrome trace
-    (``{name}_rank{rank}.json.gz``)."""
+    """Profile one call of ``fn`` and write each rank's top operators by self CPU and GPU time
+    to ``{args.profile}/{name}.txt`` (rank 0) or ``{name}_rank{rank}.txt``; with ``trace`` also
+    every rank's Chrome trace (``{name}_rank{rank}.json.gz``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -129,13 +129,12 @@ def profile_tables(args, rank: int, name: str, fn, *, trace: bool = False) -> No
         fn()
         if args.device == "cuda":
             torch.cuda.synchronize()
+    os.makedirs(args.profile, exist_ok=True)
     if trace:
-        os.makedirs(args.profile, exist_ok=True)
         prof.export_chrome_trace(os.path.join(args.profile, f"{name}_rank{rank}.json.gz"))
-    if rank == 0:
-        os.makedirs(args.profile, exist_ok=True)
-        with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
-            for key in ("self_cpu_time_total", "self_device_time_total"):
-                if key == "self_device_time_total" and args.device != "cuda":
-                    continue
-                f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+    base = name if rank == 0 else f"{name}_rank{rank}"
+    with open(os.path.join(args.profile, f"{base}.txt"), "w") as f:
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            if key == "self_device_time_total" and args.device != "cuda":
+                continue
+            f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")

@@ -83,7 +83,9 @@ def _run(rank, world, args, path, queue):
         mine = [s for s in range(n) if placement[s] == rank]
         bounds = [round(i * args.layers / n) for i in range(n + 1)]
         runs = {}
-        impls = ("torch", "ours", "ours_ov") if args.overlap else ("torch", "ours")
+        impls = ["torch", "ours"] + ["ours_ov"] * args.overlap
+        # GPipe has no B+F pair; 1F1B's pair makes each rank wait for the other's (B + F)
+        impls += ["ours_th"] * (args.threaded and name in ("interleaved_1f1b", "zbv"))
         for impl in impls:
             mods = {
                 s: LlamaStage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev)
@@ -92,7 +94,12 @@ def _run(rank, world, args, path, queue):
             if impl.startswith("ours"):
                 stages = [hpp.PipelineStage(mods[s], s, n, device=dev) for s in mine]
                 sched = ours_cls[name](
-                    stages if v > 1 else stages[0], m, loss_fn=_loss, overlap_p2p=impl == "ours_ov"
+                    stages if v > 1 else stages[0],
+                    m,
+                    loss_fn=_loss,
+                    overlap_p2p=impl == "ours_ov",
+                    overlap_b_f=impl == "ours_th",
+                    threaded_b_f=impl == "ours_th",
                 )
             else:
                 stages = [tpp.PipelineStage(mods[s], s, n, dev) for s in mine]
@@ -132,7 +139,9 @@ def _run(rank, world, args, path, queue):
                     peak[k] = max(peak[k], torch.cuda.max_memory_allocated() / 2**30)
         if args.profile:
             for k in runs:
-                profile_tables(args, rank, f"{name}_{k}", functools.partial(step, k))
+                profile_tables(
+                    args, rank, f"{name}_{k}", functools.partial(step, k), trace=bool(args.trace)
+                )
         sched = runs["ours"][0]
         sync()
         sched.record_timeline = True
@@ -157,6 +166,7 @@ def _report(args, world, results):
         f"pipeline Llama-style fwd+bwd+AdamW, {args.device}, {world} ranks, dim {args.dim}, "
         f"{args.layers} layers, vocab {args.vocab}, {args.microbatches} microbatches of "
         f"{args.mb_size}x{args.seq}, bf16 autocast={args.bf16}, overlap_p2p also={args.overlap}, "
+        f"threaded_b_f also={args.threaded}, "
         f"torch {torch.__version__}; median of {args.repeats} x {args.iters}"
     )
     print(
@@ -165,7 +175,7 @@ def _report(args, world, results):
     )
     for name in args.schedules:
         rows = {}
-        impls = [k for k in ("torch", "ours", "ours_ov") if k in results[0][name]]
+        impls = [k for k in ("torch", "ours", "ours_ov", "ours_th") if k in results[0][name]]
         for k in impls:
             med = max(r[name][k][0] for r in results.values())
             peaks = " / ".join(f"{results[r][name][k][1]:.1f}" for r in sorted(results))
@@ -178,6 +188,10 @@ def _report(args, world, results):
             )
         for k in impls[1:]:
             print(f"{name:18s} ratio {k}/PyTorch: {rows['torch'] / rows[k]:.3f}")
+        if name == "zbv" and "1f1b" in args.schedules:  # the ZBV target is against this
+            t1 = max(r["1f1b"]["torch"][0] for r in results.values())
+            for k in impls[1:]:
+                print(f"{name:18s} ratio {k}/PyTorch 1F1B: {t1 / rows[k]:.3f}")
 
 
 def main(argv=None) -> int:
@@ -187,8 +201,17 @@ def main(argv=None) -> int:
     ap.add_argument("--mb-size", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 parameters)")
     ap.add_argument("--overlap", action="store_true", help="also ours with overlap_p2p=True")
+    ap.add_argument(
+        "--threaded",
+        action="store_true",
+        help="also ours with overlap_b_f=True, threaded_b_f=True (ours_th)",
+    )
     ap.add_argument("--profile", default="", help="folder for torch.profiler tables (rank 0)")
-    ap.add_argument("--trace", default="", help="folder for our timeline's Chrome trace")
+    ap.add_argument(
+        "--trace",
+        default="",
+        help="folder for our timeline's Chrome trace (with --profile: the profiler's too)",
+    )
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     add_timing_args(ap, repeats=5)
     ap.add_argument("--threads", type=int, default=1)

@@ -3,9 +3,13 @@ gradients between ranks, compute the loss, gather or shard stages once per step.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +139,19 @@ def _global(group, r: int) -> int:
 
 
 class PipelineSchedule:
-    """Runs a named schedule over this rank's stages. See the subclasses."""
+    """Runs a named schedule over this rank's stages. See the subclasses.
+
+    ``loss_fn(output, target)`` runs on the last stage per microbatch (divided by
+    ``n_microbatches`` when ``scale_grads``). ``overlap_p2p`` posts each RECV one compute step
+    early; ``overlap_b_f`` fuses a backward with the next forward of another microbatch into
+    one OVERLAP_B_F step. ``threaded_b_f`` (with ``overlap_b_f``) runs that backward on a
+    helper thread while this thread runs the forward: where the host, not the device, limits
+    a step (small layers, Python-heavy models), two threads launch kernels at once. The
+    backward must then not draw random numbers (a recompute with dropout under activation
+    checkpointing does: the device's generator is shared by both threads); not for sharded
+    stages. ``batch_spec`` says which dims to split; ``record_timeline`` records each step's
+    start and end (synchronising the device around each).
+    """
 
     name = ""
 
@@ -148,6 +164,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         overlap_p2p: bool = False,
         overlap_b_f: bool = False,
+        threaded_b_f: bool = False,
         batch_spec: BatchDimSpec | None = None,
         record_timeline: bool = False,
     ) -> None:
@@ -171,6 +188,22 @@ class PipelineSchedule:
         if len(num) != 1:
             raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
         sharded = any(s.sharded for s in stages)
+        if threaded_b_f and not overlap_b_f:
+            raise PipelineError(
+                "threaded_b_f=True runs the backward of each OVERLAP_B_F step on a helper "
+                "thread: pass overlap_b_f=True too (it makes those steps)"
+            )
+        if threaded_b_f and sharded:
+            raise PipelineError(
+                "threaded_b_f=True with sharded stages: fully_shard's hooks keep per-process "
+                "state that a forward and a backward on two threads would race on; leave "
+                "threaded_b_f off for them"
+            )
+        self.threaded_b_f = threaded_b_f
+        self._helper: ThreadPoolExecutor | None = None
+        # with threaded_b_f, whatever writes weight gradients (FULL_B, W) holds this: two
+        # threads must not both find .grad unset, or add into it at once
+        self._grad_lock = threading.Lock()
         self.steps_all, self.placement = build_schedule(
             self.name,
             self.pp,
@@ -247,6 +280,21 @@ class PipelineSchedule:
         """Every rank's step list (the IR this runtime executes)."""
         return self.steps_all
 
+    def helper_thread(self) -> ThreadPoolExecutor:
+        """The one helper thread of ``threaded_b_f`` (made on first use, on this rank's
+        device)."""
+        if self._helper is None:
+            dev = next(iter(self.stages.values())).device
+
+            def init():
+                if dev.type == "cuda":
+                    torch.cuda.set_device(dev)
+
+            self._helper = ThreadPoolExecutor(
+                1, thread_name_prefix="hp_pipeline_backward", initializer=init
+            )
+        return self._helper
+
 
 class _Run:
     """The state of one ``step``."""
@@ -265,10 +313,19 @@ class _Run:
         self.buffers: dict[tuple, list[torch.Tensor]] = {}  # RECV key -> allocated by prepare
         self.headers: dict[int, torch.Tensor] = {}  # stage -> its first SEND_F's header
         self.events: list[TimelineEvent] = []
+        self.on_helper: list = []  # futures of the W steps handed to the helper thread
         self.t0 = time.perf_counter()
 
     # -- the loop -----------------------------------------------------------------------------
     def execute(self) -> None:
+        try:
+            self._execute()
+        finally:  # the step ends, or fails, only when the helper thread is idle
+            wait_futures(self.on_helper)
+        for f in self.on_helper:
+            f.result()
+
+    def _execute(self) -> None:
         s = self.s
         rec = s.record_timeline
         cuda = any(st.device.type == "cuda" for st in s.stages.values())
@@ -344,10 +401,21 @@ class _Run:
         elif t is T.FULL_B or t is T.B:
             self.backward(step.stage, step.microbatch, full=t is T.FULL_B)
         elif t is T.W:
-            self.s.stages[step.stage].backward_weight(step.microbatch)
+            st = self.s.stages[step.stage]
+            if self.s.threaded_b_f and not self.s.record_timeline:
+                # nothing later in the step reads weight gradients: the helper thread takes W
+                # while this thread goes on (a recorded timeline keeps W where it is)
+                self.on_helper.append(
+                    self.on_helper_thread(st, self.locked, st.backward_weight, step.microbatch)
+                )
+            else:
+                self.locked(st.backward_weight, step.microbatch)
         elif t is T.OVERLAP_B_F:
-            self.backward(step.stage, step.microbatch, full=step.backward is T.FULL_B)
-            self.forward(step.fused.stage, step.fused.microbatch)
+            if self.s.threaded_b_f:
+                self.backward_beside_forward(step)
+            else:
+                self.backward(step.stage, step.microbatch, full=step.backward is T.FULL_B)
+                self.forward(step.fused.stage, step.fused.microbatch)
         elif t is T.SEND_F:
             outs = self.s.stages[step.stage].outputs(step.microbatch)
             self.send(step, [o.detach() for o in outs])
@@ -399,15 +467,59 @@ class _Run:
 
     def backward(self, stage_idx: int, mb: int, *, full: bool) -> None:
         st = self.s.stages[stage_idx]
-        grads = None
-        if not st.is_last:
-            key = (stage_idx, mb)
-            if key in self.local_b:
-                grads = self.local_b.pop(key)
-            else:
-                grads = self.take_recv((T.RECV_B, stage_idx, mb))
-        dx = st.backward_full(mb, grads) if full else st.backward_input(mb, grads)
-        if st.is_first:
+        grads = self.output_grads(stage_idx, mb)
+        dx = self.locked(st.backward_full, mb, grads) if full else st.backward_input(mb, grads)
+        self.place_input_grads(stage_idx, mb, dx)
+
+    def locked(self, fn, *args):
+        """``fn(*args)`` holding the weight-gradient lock (see ``threaded_b_f``)."""
+        if not self.s.threaded_b_f:
+            return fn(*args)
+        with self.s._grad_lock:
+            return fn(*args)
+
+    def backward_beside_forward(self, step: MetaStep) -> None:
+        """OVERLAP_B_F with ``threaded_b_f``: the backward on the helper thread (autograd's
+        engine runs it without the GIL), the forward here at the same time; both launch onto
+        this thread's current stream. Communication stays on this thread. (W steps go to the
+        helper thread too, see ``run_step``.)"""
+        stage_idx, mb = step.stage, step.microbatch
+        st = self.s.stages[stage_idx]
+        grads = self.output_grads(stage_idx, mb)
+        full = step.backward is T.FULL_B
+        if full:
+            fut = self.on_helper_thread(st, self.locked, st.backward_full, mb, grads)
+        else:
+            fut = self.on_helper_thread(st, st.backward_input, mb, grads)
+        try:
+            self.forward(step.fused.stage, step.fused.microbatch)
+        except BaseException:
+            wait_futures([fut])  # never leave the backward running on a failed step
+            raise
+        self.place_input_grads(stage_idx, mb, fut.result())
+
+    def on_helper_thread(self, st: PipelineStage, fn, *args):
+        """Run ``fn(*args)`` on the helper thread, on this thread's current stream."""
+        stream = torch.cuda.current_stream(st.device) if st.device.type == "cuda" else None
+
+        def run():
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return fn(*args)
+
+        return self.s.helper_thread().submit(run)
+
+    def output_grads(self, stage_idx: int, mb: int):
+        """The gradients arriving at ``stage_idx``'s outputs for ``mb`` (None on the last)."""
+        if self.s.stages[stage_idx].is_last:
+            return None
+        key = (stage_idx, mb)
+        if key in self.local_b:
+            return self.local_b.pop(key)
+        return self.take_recv((T.RECV_B, stage_idx, mb))
+
+    def place_input_grads(self, stage_idx: int, mb: int, dx) -> None:
+        """Hand ``dx`` to the previous stage: kept here if it is on this rank, else sent."""
+        if self.s.stages[stage_idx].is_first:
             return
         prev = stage_idx - 1
         if self.s.placement[prev] == self.s.rank:

@@ -32,7 +32,9 @@ OURS = {
 STEPS, LR = 3, 0.5
 
 
-def _run(name, m, batch, *, overlap_p2p=False, overlap_b_f=False, fsdp=False, impl="ours"):
+def _run(
+    name, m, batch, *, overlap_p2p=False, overlap_b_f=False, threaded=False, fsdp=False, impl="ours"
+):
     """On every rank: build this rank's stages, run STEPS steps; return (losses per step on
     the last stage's rank, gradients of the last step, parameters after) by full-model name."""
     if fsdp:
@@ -61,6 +63,7 @@ def _run(name, m, batch, *, overlap_p2p=False, overlap_b_f=False, fsdp=False, im
             loss_fn=loss_fn,
             overlap_p2p=overlap_p2p,
             overlap_b_f=overlap_b_f,
+            threaded_b_f=threaded,
         )
     else:
         import torch.distributed.pipelining as tp
@@ -94,6 +97,8 @@ def _run(name, m, batch, *, overlap_p2p=False, overlap_b_f=False, fsdp=False, im
     final = {
         mods[s].names[n]: _full(p.detach()) for s in mine for n, p in mods[s].named_parameters()
     }
+    if threaded:  # the helper thread did run backwards
+        assert sched._helper is not None
     return out_losses, grads, final
 
 
@@ -143,9 +148,64 @@ def test_zbv_with_fewer_microbatches_than_the_v(pool2, overlap_p2p):
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
-def test_overlap_b_f_matches_one_process(pool2, name):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_overlap_b_f_matches_one_process(pool2, name, threaded):
+    """Fused backward + forward steps, also with the backward on a helper thread while the
+    forward runs (``threaded_b_f``): same losses, gradients and parameters."""
     m, batch = 4, 8
-    _check(pool2.run(_run, name, m, batch, overlap_b_f=True, overlap_p2p=True), name, m, batch)
+    got = pool2.run(_run, name, m, batch, overlap_b_f=True, overlap_p2p=True, threaded=threaded)
+    _check(got, name, m, batch)
+
+
+def test_threaded_zbv_on_four_ranks_matches_one_process(pool4):
+    """ZBV on 4 ranks (8 stages) with the backwards of B + F pairs and the W steps on the
+    helper thread: W of one stage beside a FULL_B or another W of the same rank."""
+    m, batch = 8, 16
+    got = pool4.run(_run, "zbv", m, batch, overlap_b_f=True, threaded=True)
+    _check(got, "zbv", m, batch)
+
+
+def _grad_writers_never_overlap():
+    """Run ZBV with threaded_b_f where the helper thread's W would meet this thread's FULL_B
+    (rank 0 ends with ``3W7 ... 0FULL_B6``), each made slow; return the (start, end, thread)
+    of every weight-gradient write on this rank."""
+    import threading
+    import time
+
+    rank, m = dist.get_rank(), 8
+    placement = build_schedule("zbv", 2, m)[1]
+    mine = [s for s in range(4) if placement[s] == rank]
+    every = split(make_model(4), 4)
+    stages = [PipelineStage(every[s], s, 4) for s in mine]
+    spans = []
+
+    def slow(fn):
+        def run(*a):
+            t = time.perf_counter()
+            time.sleep(0.02)  # a W still reading .grad while a FULL_B would set it
+            out = fn(*a)
+            spans.append((t, time.perf_counter(), threading.get_ident()))
+            return out
+
+        return run
+
+    for st in stages:
+        st.backward_weight = slow(st.backward_weight)
+        st.backward_full = slow(st.backward_full)
+    sched = ScheduleZBV(stages, m, loss_fn=loss_fn, overlap_b_f=True, threaded_b_f=True)
+    x, y = batches(1, 8)[0]
+    sched.step(*((x,) if 0 in mine else ()), **({"target": y} if 3 in mine else {}))
+    return spans
+
+
+def test_threaded_weight_gradient_writes_never_overlap(pool2):
+    """FULL_B and W write .grad (set it when unset, add into it): with threaded_b_f they run
+    on two threads, one at a time."""
+    for spans in pool2.run(_grad_writers_never_overlap):
+        assert len({tid for *_, tid in spans}) == 2, "both threads wrote gradients"
+        spans.sort()
+        for (_, end, _), (start, _, _) in zip(spans, spans[1:]):
+            assert start >= end, spans
 
 
 @pytest.mark.parametrize("name", list(OURS))
@@ -282,6 +342,26 @@ def test_stage_arguments_are_checked():
         PipelineStage(mod, 0, 0)
     with pytest.raises(PipelineError, match="nn.Module"):
         PipelineStage(lambda x: x, 0, 1)
+
+
+def test_threaded_b_f_needs_overlap_b_f_and_plain_stages():
+    mod = split(make_model(1), 1)[0]
+    with pytest.raises(PipelineError, match="pass overlap_b_f=True"):
+        Schedule1F1B(PipelineStage(mod, 0, 1), 2, loss_fn=loss_fn, threaded_b_f=True)
+
+    class Sharded(torch.nn.Sequential):  # what fully_shard's modules offer (ShardedModule)
+        def unshard(self, async_op=False): ...
+        def reshard(self): ...
+        def set_requires_gradient_sync(self, flag, *, recurse=True): ...
+        def set_reshard_after_forward(self, flag, *, recurse=True): ...
+        def set_reshard_after_backward(self, flag, *, recurse=True): ...
+        def reduce_gradients(self): ...
+
+    sharded = Sharded(split(make_model(1), 1)[0])
+    with pytest.raises(PipelineError, match="threaded_b_f=True with sharded stages"):
+        Schedule1F1B(
+            PipelineStage(sharded, 0, 1), 2, loss_fn=loss_fn, overlap_b_f=True, threaded_b_f=True
+        )
 
 
 def _given_shapes(shape):
