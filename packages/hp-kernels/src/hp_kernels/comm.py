@@ -16,6 +16,7 @@ sends it through a socket. CUDA tensors take the same path over PyTorch's symmet
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 
@@ -128,11 +129,17 @@ def _workspace(group: dist.ProcessGroup | None) -> _Workspace:
 
 
 def release_workspaces() -> None:
-    """Drop the cached shared workspaces (each is freed once every rank dropped it)."""
+    """Drop the cached shared workspaces (each is freed once every rank dropped it). Runs at
+    exit too: a workspace holds its process group, and a group left to the interpreter's
+    final teardown (after ``destroy_process_group``, with gloo work done on it) aborted the
+    process now and then ("terminate called without an active exception")."""
     for _, ws in _workspaces.values():
         if ws.mem is not None:
             ws.mem.close()
     _workspaces.clear()
+
+
+atexit.register(release_workspaces)
 
 
 class _Call:

@@ -1,6 +1,9 @@
 """One-sided collectives on 2 and 4 CPU ranks against gloo (the oracle), with uneven sizes,
 float32 / bfloat16 / int64, workspace growth and reuse, and errors raised on every rank."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -345,3 +348,50 @@ def test_read_paths_agree(pool4, pool3_slots):
     assert pool3_slots.run(_paths_body) == [False] * 3
     for body in (_gather_body, _a2a_body, _rs_body, _ar_body):
         assert pool3_slots.run(body, torch.bfloat16) == [True] * 3
+
+
+_EXITING = """
+import atexit, sys
+import torch, torch.distributed as dist
+
+def left():  # registered before hp_kernels.comm's own handler, so it runs after it
+    print("LEFT", len(comm._workspaces), flush=True)
+
+atexit.register(left)
+from hp_kernels import comm
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+x = torch.arange(64, dtype=torch.float32) + rank
+out = torch.empty_like(x)
+comm.all_to_all_single(out, x)
+dist.all_to_all_single(out, x)
+dist.destroy_process_group()
+"""
+
+
+def test_workspaces_are_released_at_exit(tmp_path):
+    """A workspace holds its process group; left to the interpreter's last teardown after
+    destroy_process_group (with gloo work done on the group) it made 4-rank jobs abort at
+    exit now and then ("terminate called without an active exception"). comm releases them
+    in an atexit handler; each rank exits cleanly with none left."""
+    script = tmp_path / "exiting.py"
+    script.write_text(_EXITING)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert "LEFT 0" in out, out

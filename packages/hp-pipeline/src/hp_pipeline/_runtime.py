@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ._ir import MetaStep, MetaStepType, Placement, Schedule, ScheduleError
 from ._schedules import build_schedule
@@ -146,11 +148,12 @@ class PipelineSchedule:
     early; ``overlap_b_f`` fuses a backward with the next forward of another microbatch into
     one OVERLAP_B_F step. ``threaded_b_f`` (with ``overlap_b_f``) runs that backward on a
     helper thread while this thread runs the forward: where the host, not the device, limits
-    a step (small layers, Python-heavy models), two threads launch kernels at once. The
-    backward must then not draw random numbers (a recompute with dropout under activation
-    checkpointing does: the device's generator is shared by both threads); not for sharded
-    stages. ``batch_spec`` says which dims to split; ``record_timeline`` records each step's
-    start and end (synchronising the device around each).
+    a step (small layers, Python-heavy models), two threads launch kernels at once. Stages must
+    then not communicate inside themselves (tensor-subclass parameters and sharded stages are
+    refused), and a forward that draws random numbers must not meet a checkpoint recompute
+    (``preserve_rng_state`` sets the process's generators while it reruns); see the README.
+    ``batch_spec`` says which dims to split; ``record_timeline`` records each step's start and
+    end (synchronising the device around each, and keeping W on this thread).
     """
 
     name = ""
@@ -199,11 +202,25 @@ class PipelineSchedule:
                 "state that a forward and a backward on two threads would race on; leave "
                 "threaded_b_f off for them"
             )
+        if threaded_b_f:
+            for st in stages:
+                for name, p in st.module.named_parameters():
+                    if type(p) not in (torch.Tensor, nn.Parameter):
+                        raise PipelineError(
+                            f"threaded_b_f=True: stage {st.stage_index}'s parameter {name!r} "
+                            f"is a {type(p).__name__} (tensor or sequence parallelism inside "
+                            "the stage): its collectives in the backward (helper thread) and "
+                            "in the forward (this thread) would meet the other ranks' in a "
+                            "different order; leave threaded_b_f off for such stages"
+                        )
         self.threaded_b_f = threaded_b_f
         self._helper: ThreadPoolExecutor | None = None
-        # with threaded_b_f, whatever writes weight gradients (FULL_B, W) holds this: two
-        # threads must not both find .grad unset, or add into it at once
-        self._grad_lock = threading.Lock()
+        if threaded_b_f:
+            # whatever writes .grad (FULL_B, W, B's whole-backward fallback) holds one lock:
+            # two threads must not both find .grad unset, or add into it at once
+            lock = threading.Lock()
+            for st in stages:
+                st.grad_lock = lock
         self.steps_all, self.placement = build_schedule(
             self.name,
             self.pp,
@@ -293,6 +310,7 @@ class PipelineSchedule:
             self._helper = ThreadPoolExecutor(
                 1, thread_name_prefix="hp_pipeline_backward", initializer=init
             )
+            weakref.finalize(self, self._helper.shutdown, wait=False)
         return self._helper
 
 
@@ -406,10 +424,10 @@ class _Run:
                 # nothing later in the step reads weight gradients: the helper thread takes W
                 # while this thread goes on (a recorded timeline keeps W where it is)
                 self.on_helper.append(
-                    self.on_helper_thread(st, self.locked, st.backward_weight, step.microbatch)
+                    self.on_helper_thread(st, st.backward_weight, step.microbatch)
                 )
             else:
-                self.locked(st.backward_weight, step.microbatch)
+                st.backward_weight(step.microbatch)
         elif t is T.OVERLAP_B_F:
             if self.s.threaded_b_f:
                 self.backward_beside_forward(step)
@@ -468,27 +486,20 @@ class _Run:
     def backward(self, stage_idx: int, mb: int, *, full: bool) -> None:
         st = self.s.stages[stage_idx]
         grads = self.output_grads(stage_idx, mb)
-        dx = self.locked(st.backward_full, mb, grads) if full else st.backward_input(mb, grads)
+        dx = st.backward_full(mb, grads) if full else st.backward_input(mb, grads)
         self.place_input_grads(stage_idx, mb, dx)
-
-    def locked(self, fn, *args):
-        """``fn(*args)`` holding the weight-gradient lock (see ``threaded_b_f``)."""
-        if not self.s.threaded_b_f:
-            return fn(*args)
-        with self.s._grad_lock:
-            return fn(*args)
 
     def backward_beside_forward(self, step: MetaStep) -> None:
         """OVERLAP_B_F with ``threaded_b_f``: the backward on the helper thread (autograd's
         engine runs it without the GIL), the forward here at the same time; both launch onto
-        this thread's current stream. Communication stays on this thread. (W steps go to the
-        helper thread too, see ``run_step``.)"""
+        this thread's current stream. The pipeline's sends and receives stay on this thread.
+        (W steps go to the helper thread too, see ``run_step``.)"""
         stage_idx, mb = step.stage, step.microbatch
         st = self.s.stages[stage_idx]
         grads = self.output_grads(stage_idx, mb)
         full = step.backward is T.FULL_B
         if full:
-            fut = self.on_helper_thread(st, self.locked, st.backward_full, mb, grads)
+            fut = self.on_helper_thread(st, st.backward_full, mb, grads)
         else:
             fut = self.on_helper_thread(st, st.backward_input, mb, grads)
         try:
@@ -499,11 +510,18 @@ class _Run:
         self.place_input_grads(stage_idx, mb, fut.result())
 
     def on_helper_thread(self, st: PipelineStage, fn, *args):
-        """Run ``fn(*args)`` on the helper thread, on this thread's current stream."""
-        stream = torch.cuda.current_stream(st.device) if st.device.type == "cuda" else None
+        """Run ``fn(*args)`` on the helper thread, on this thread's current stream and under
+        this thread's autocast state (a backward run here inherits it, so one run there
+        must too)."""
+        kind = st.device.type
+        stream = torch.cuda.current_stream(st.device) if kind == "cuda" else None
+        amp = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
         def run():
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with (
+                torch.cuda.stream(stream) if stream is not None else nullcontext(),
+                torch.autocast(kind, dtype=amp[1], enabled=amp[0]),
+            ):
                 return fn(*args)
 
         return self.s.helper_thread().submit(run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -64,6 +64,13 @@ class PipelineStage:
     ``input_args`` (example inputs, or shapes), if given, are checked against it (a mismatch is
     a warning naming both: only the receiving rank knows, and an error there would leave the
     sender waiting).
+
+    ``direct_weight_grads`` (default True): in W, a linear weight whose gradient only needs a
+    transpose (and autocast's cast) gets it from one GEMM that adds into ``.grad``, skipping
+    the parameter's ``AccumulateGrad`` node. Tensor hooks and post-accumulate-grad hooks on the
+    parameter are seen and keep autograd's way, but hooks on the ``AccumulateGrad`` node
+    itself cannot be seen from Python: pass False when something registers them (Megatron-style
+    ``main_grad`` accumulation; torch DDP's reducer, for which it is switched off on its own).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class PipelineStage:
         group: dist.ProcessGroup | None = None,
         input_args: tuple | None = None,
         activation_hooks: Callable[[int], AbstractContextManager] | None = None,
+        direct_weight_grads: bool = True,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise PipelineError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -96,6 +104,13 @@ class PipelineStage:
         self.activation_hooks = activation_hooks
         self._chunks: dict[int, _Chunk] = {}
         self.sharded = isinstance(module, ShardedModule)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self.direct_weight_grads = bool(direct_weight_grads) and not any(
+            isinstance(m, ddp) for m in module.modules()
+        )
+        # what writes .grad (FULL_B, W, B's whole-backward fallback) holds this; a schedule
+        # with threaded_b_f puts one lock here for all its stages
+        self.grad_lock: AbstractContextManager = nullcontext()
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -163,7 +178,8 @@ class PipelineStage:
         c = self._chunks[mb]
         outs, gs = self._roots(mb, grads)
         if outs:
-            torch.autograd.backward(outs, gs)
+            with self.grad_lock:
+                torch.autograd.backward(outs, gs)
         del self._chunks[mb]
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in c.inputs]
 
@@ -187,7 +203,8 @@ class PipelineStage:
         if _hooked_params(cuts, plans):
             # a tensor hook on a parameter below a non-matmul cut node would run when B reads
             # the gradient there and again when W feeds it on: take the whole backward here
-            torch.autograd.backward(outs, gs)
+            with self.grad_lock:
+                torch.autograd.backward(outs, gs)
             c.matmuls, c.weight_roots, c.tails = [], [], []
             c.input_grads = [
                 x.grad if x.grad is not None else torch.zeros_like(x) for x in c.inputs
@@ -197,15 +214,15 @@ class PipelineStage:
             cuts, plans, [o.grad_fn for o in outs if o.grad_fn not in on_path]
         )
         captured: dict[object, tuple] = {}
-        handles = [  # a late cut node's W runs it again from all the gradients it received
+        # node prehooks, not GradientEdge inputs: autograd captures an edge's gradient before
+        # the hooks on that node (and on the tensor it made) run, and dx gets the hooked one
+        handles = [
             node.register_prehook(lambda go, node=node: captured.__setitem__(node, go))
-            for node in late
+            for node, _ in cuts
+            if node in plans or node in late
         ]
-        mm_nodes = list(plans)
         try:
-            # a matmul's incoming gradient is asked for as an edge: autograd keeps it in C++
-            # on its way (no Python hook, no GIL, per node)
-            want = list(c.inputs) + early + [GradientEdge(n, 0) for n in mm_nodes]
+            want = list(c.inputs) + early
             got = (
                 torch.autograd.grad(outs, want, gs, retain_graph=True, allow_unused=True)
                 if want
@@ -214,11 +231,11 @@ class PipelineStage:
         finally:
             for h in handles:
                 h.remove()
-        n_in, n_early = len(c.inputs), len(early)
-        dx, edge_grads = got[:n_in], got[n_in : n_in + n_early]
-        c.matmuls = [
-            (plans[n], n, g) for n, g in zip(mm_nodes, got[n_in + n_early :]) if g is not None
-        ]
+        dx, edge_grads = got[: len(c.inputs)], got[len(c.inputs) :]
+        c.matmuls = []
+        for node, plan in plans.items():
+            if node in captured and captured[node][0] is not None:
+                c.matmuls.append((plan, node, captured[node][0]))
         c.weight_roots = [
             (node, list(captured[node]), br)
             for node, br in cuts
@@ -244,16 +261,17 @@ class PipelineStage:
         c = self._chunks.pop(mb)
         if c.input_grads is None:
             raise PipelineError(f"stage {self.stage_index}: W of {mb} before its B")
-        with _exec_group():
-            self._weight_grads(c)
+        with _exec_group(), self.grad_lock:
+            self._weight_grads(c, self.direct_weight_grads)
 
     @staticmethod
-    def _weight_grads(c: _Chunk) -> None:
+    def _weight_grads(c: _Chunk, direct: bool) -> None:
         tails = [e for e, _ in c.tails]
         tail_grads = [g for _, g in c.tails]
         with torch.no_grad():  # W's own products need no graph of their own
             for plan, node, g in c.matmuls:
-                _matmul_weight_grads(plan, plan.saved_input(node), g, tails, tail_grads)
+                x = plan.saved_input(node)
+                _matmul_weight_grads(plan, x, g, tails, tail_grads, direct)
         for node, grads_out, branch in c.weight_roots:
             roots = [GradientEdge(node, i) for i, g in enumerate(grads_out) if g is not None]
             if not roots:
@@ -409,12 +427,12 @@ def _branch_edges(cuts, plans, free=()) -> tuple[list[GradientEdge], set]:
     return early, late
 
 
-def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads) -> None:
+def _matmul_weight_grads(plan: _MatmulPlan, x, g, tails, tail_grads, direct=True) -> None:
     """The weight gradient of a linear layer (``x^T g``; the bias, broadcast over rows, sums
     ``g`` back to its shape). Where the weight's branch is only a transpose, perhaps a dtype
     cast, and the accumulation into an unhooked parameter, one GEMM adds ``g^T x`` straight
     into ``.grad`` (:func:`_accumulate_into`); else it is a tail of W's backward."""
-    param = _grad_sink(plan.weight, x)
+    param = _grad_sink(plan.weight, x) if direct else None
     if param is None or not _accumulate_into(param, g.t(), x):
         tails.append(plan.weight)
         tail_grads.append(x.t().mm(g))
@@ -462,9 +480,9 @@ _OUT_DTYPE_MM: dict[str, bool] = {}  # device type -> whether mm/addmm take out_
 def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """``param.grad += a @ b`` in one GEMM (``beta=1``), what autograd's cast and
     accumulation would do in two more kernels; ``param.grad = a @ b`` when it has none. A
-    product of another dtype (bf16 under autocast, fp32 parameters) accumulates in the
-    parameter's dtype through ``out_dtype`` (CUDA). False when that is not possible (the
-    caller then takes autograd's way)."""
+    bf16 or fp16 product into an fp32 parameter accumulates in fp32 through ``out_dtype``
+    (CUDA only: torch has no CPU kernel for it). False when neither applies (the caller then
+    takes autograd's way)."""
     grad = param.grad
     if grad is not None and (
         type(grad) is not torch.Tensor or grad.dtype != param.dtype or grad.requires_grad
@@ -479,17 +497,21 @@ def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> b
             grad.addmm_(a, b)
         return True
     kind = param.device.type
-    if not _OUT_DTYPE_MM.get(kind, kind == "cuda"):
+    if (
+        kind != "cuda"
+        or a.dtype not in (torch.bfloat16, torch.float16)
+        or param.dtype != torch.float32
+        or not _OUT_DTYPE_MM.get(kind, True)
+    ):
         return False
     try:
         if grad is None:
             param.grad = torch.mm(a, b, out_dtype=param.dtype)
         else:
             torch.addmm(grad, a, b, out_dtype=param.dtype, out=grad)
-    except (RuntimeError, TypeError, NotImplementedError):  # this build or device lacks it
+    except (TypeError, NotImplementedError):  # a torch without out_dtype for mm
         _OUT_DTYPE_MM[kind] = False
         return False
-    _OUT_DTYPE_MM[kind] = True
     return True
 
 

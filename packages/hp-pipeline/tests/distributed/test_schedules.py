@@ -167,34 +167,47 @@ def test_threaded_zbv_on_four_ranks_matches_one_process(pool4):
 
 def _grad_writers_never_overlap():
     """Run ZBV with threaded_b_f where the helper thread's W would meet this thread's FULL_B
-    (rank 0 ends with ``3W7 ... 0FULL_B6``), each made slow; return the (start, end, thread)
-    of every weight-gradient write on this rank."""
+    (rank 0 ends with ``3W7 ... 0FULL_B6``), each write made slow; return the (start, end,
+    thread) of every weight-gradient write on this rank (a FULL_B's backward, a W)."""
     import threading
     import time
+
+    import hp_pipeline._stage as stage_mod
 
     rank, m = dist.get_rank(), 8
     placement = build_schedule("zbv", 2, m)[1]
     mine = [s for s in range(4) if placement[s] == rank]
     every = split(make_model(4), 4)
     stages = [PipelineStage(every[s], s, 4) for s in mine]
-    spans = []
+    spans, depth = [], threading.local()
 
     def slow(fn):
-        def run(*a):
+        def run(*a, **k):
+            outer = getattr(depth, "n", 0) == 0
+            depth.n = getattr(depth, "n", 0) + 1
             t = time.perf_counter()
-            time.sleep(0.02)  # a W still reading .grad while a FULL_B would set it
-            out = fn(*a)
-            spans.append((t, time.perf_counter(), threading.get_ident()))
-            return out
+            if outer:
+                time.sleep(0.02)  # a W still writing .grad while a FULL_B would set it
+            try:
+                return fn(*a, **k)
+            finally:
+                depth.n -= 1
+                if outer:
+                    spans.append((t, time.perf_counter(), threading.get_ident()))
 
         return run
 
-    for st in stages:
-        st.backward_weight = slow(st.backward_weight)
-        st.backward_full = slow(st.backward_full)
-    sched = ScheduleZBV(stages, m, loss_fn=loss_fn, overlap_b_f=True, threaded_b_f=True)
-    x, y = batches(1, 8)[0]
-    sched.step(*((x,) if 0 in mine else ()), **({"target": y} if 3 in mine else {}))
+    real_w = stage_mod.PipelineStage.__dict__["_weight_grads"]  # the staticmethod itself
+    real_backward = torch.autograd.backward
+    stage_mod.PipelineStage._weight_grads = staticmethod(slow(real_w.__func__))
+    torch.autograd.backward = slow(real_backward)
+    try:
+        sched = ScheduleZBV(stages, m, loss_fn=loss_fn, overlap_b_f=True, threaded_b_f=True)
+        x, y = batches(1, 8)[0]
+        sched.step(*((x,) if 0 in mine else ()), **({"target": y} if 3 in mine else {}))
+    finally:
+        stage_mod.PipelineStage._weight_grads = real_w
+        torch.autograd.backward = real_backward
     return spans
 
 
@@ -206,6 +219,21 @@ def test_threaded_weight_gradient_writes_never_overlap(pool2):
         spans.sort()
         for (_, end, _), (start, _, _) in zip(spans, spans[1:]):
             assert start >= end, spans
+
+
+def _ddp_stage():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return (
+        PipelineStage(DDP(torch.nn.Linear(4, 4)), 0, 2).direct_weight_grads,
+        PipelineStage(torch.nn.Linear(4, 4), 0, 2).direct_weight_grads,
+    )
+
+
+def test_ddp_stages_keep_autograd_weight_gradients(pool2):
+    """DDP's reducer hooks each parameter's AccumulateGrad node: a stage holding a DDP module
+    leaves every weight gradient to autograd."""
+    assert pool2.run(_ddp_stage) == [(False, True)] * 2
 
 
 @pytest.mark.parametrize("name", list(OURS))

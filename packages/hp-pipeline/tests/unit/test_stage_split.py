@@ -215,6 +215,21 @@ class _RowBias(nn.Module):
         return torch.addmm(self.b, x, self.W.t())
 
 
+class _OutputHooks(nn.Module):
+    """Tensor hooks on 2-D linear outputs (the matmul node is the output's own grad_fn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6, bias=False), nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.a(x)
+        y.register_hook(lambda g: g * 3)
+        z = self.b(torch.relu(y))
+        z.register_hook(lambda g: g * 0.5)
+        return z
+
+
 class _Tied(nn.Module):
     def __init__(self):
         super().__init__()
@@ -236,6 +251,7 @@ class _Tied(nn.Module):
         _Addcmul,
         _RowBias,
         _Tied,
+        _OutputHooks,
     ],
     ids=[
         "param-only-output",
@@ -245,6 +261,7 @@ class _Tied(nn.Module):
         "addcmul",
         "row-bias",
         "tied",
+        "output-hooks",
     ],
 )
 def test_b_then_w_equals_full_backward_on_awkward_graphs(make):
@@ -298,13 +315,13 @@ def test_w_inside_a_group_the_caller_opened():
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
-def _two_microbatches(model, ref, dtype=torch.float32, device="cpu", autocast=False):
+def _two_microbatches(model, ref, device="cpu", autocast=False, **stage_kw):
     """B then W for two microbatches on ``model`` and FULL_B on ``ref``; returns nothing, the
     gradients are in the parameters."""
     xs = [torch.randn(3, 5, 12, device=device) for _ in range(2)]
     gs = [torch.randn(3, 5, 12, device=device) for _ in range(2)]
     a = PipelineStage(ref, 1, 2, device=device)
-    b = PipelineStage(model, 1, 2, device=device)
+    b = PipelineStage(model, 1, 2, device=device, **stage_kw)
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
         for mb, x in enumerate(xs):
             a.forward_one_chunk(mb, (x,))
@@ -353,6 +370,32 @@ def test_hooked_linear_weight_keeps_autograd_accumulation():
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
+def test_accumulate_grad_node_hooks_need_direct_weight_grads_off():
+    """Hooks on a parameter's AccumulateGrad node (Megatron-style main_grad folding) are
+    invisible from Python: with ``direct_weight_grads=False`` W leaves every weight to
+    autograd, and the hooks run as often, with the same gradients, as under FULL_B."""
+    torch.manual_seed(0)
+    ref, model = Model(False), Model(False)
+    model.load_state_dict(ref.state_dict())
+    calls = {"ref": 0, "ours": 0}
+    for key, m in (("ref", ref), ("ours", model)):
+        for p in m.parameters():
+            p.main_grad = torch.zeros_like(p)
+            acc = p.view_as(p).grad_fn.next_functions[0][0]
+
+            def fold(*_, p=p, key=key):
+                calls[key] += 1
+                p.main_grad.add_(p.grad)
+                p.grad = None
+
+            acc.register_hook(fold)
+            p._acc = acc  # the node lives as long as the parameter
+    _two_microbatches(model, ref, direct_weight_grads=False)
+    assert calls["ours"] == calls["ref"] > 0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.main_grad, q.main_grad, msg=n)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="out_dtype GEMMs need CUDA")
 def test_autocast_weight_gradients_accumulate_in_fp32_on_cuda():
     """Under bf16 autocast with fp32 parameters, W's GEMM writes fp32 into ``.grad`` (with
@@ -360,7 +403,13 @@ def test_autocast_weight_gradients_accumulate_in_fp32_on_cuda():
     torch.manual_seed(0)
     ref, model = Model(False).cuda(), Model(False).cuda()
     model.load_state_dict(ref.state_dict())
-    _two_microbatches(model, ref, device="cuda", autocast=True)
-    assert stage_mod._OUT_DTYPE_MM.get("cuda") is True
+    took = []
+    real = stage_mod._accumulate_into
+    stage_mod._accumulate_into = lambda p, a, b: took.append(real(p, a, b)) or took[-1]
+    try:
+        _two_microbatches(model, ref, device="cuda", autocast=True)
+    finally:
+        stage_mod._accumulate_into = real
+    assert took and all(took), took
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n, atol=2e-2, rtol=2e-2)
