@@ -1,5 +1,8 @@
 // Flags, copies, conversions and reductions on raw addresses, plus the MoE counting sort.
 // Callers release the GIL around these (module.cpp), so they run beside Python work.
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -8,6 +11,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cerrno>
 #include <atomic>
 #include <chrono>
@@ -113,9 +117,54 @@ static void parallel_chunks(size_t n, size_t grain, int nthreads, F&& body) {
   for (auto& t : threads) t.join();
 }
 
+// Copies of at least this many bytes store past the caches (non-temporal stores): a plain store
+// first reads each destination line (read-for-ownership), a third more memory traffic on a
+// copy whose destination is bigger than the caches anyway. Below it, memcpy keeps the data
+// cached for whoever reads it next.
+static size_t stream_min_bytes() {
+  static const size_t v = [] {
+    const char* e = std::getenv("HP_KERNELS_STREAM_MIN");
+    return e ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : (size_t{4} << 20);
+  }();
+  return v;
+}
+
+static void stream_copy(char* d, const char* s, size_t n) {
+#if defined(__x86_64__) || defined(_M_X64)
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;  // align the stores
+  head = std::min(head, n);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + i, s + i, n - i);
+  _mm_sfence();  // the streamed lines are visible before any flag that follows
+#else
+  std::memcpy(d, s, n);
+#endif
+}
+
 void copy_bytes(uintptr_t dst, uintptr_t src, size_t nbytes, int nthreads) {
+  const bool stream = nbytes >= stream_min_bytes();
   parallel_chunks(nbytes, size_t{1} << 20, nthreads, [&](size_t lo, size_t hi) {
-    std::memcpy(reinterpret_cast<char*>(dst) + lo, reinterpret_cast<const char*>(src) + lo, hi - lo);
+    char* d = reinterpret_cast<char*>(dst) + lo;
+    const char* s = reinterpret_cast<const char*>(src) + lo;
+    if (stream) {
+      stream_copy(d, s, hi - lo);
+    } else {
+      std::memcpy(d, s, hi - lo);
+    }
   });
 }
 

@@ -51,3 +51,18 @@ def test_missing_module_says_how_to_build(monkeypatch):
 def test_unsupported_dtype_names_argument():
     with pytest.raises(TypeError, match="the tensor has dtype torch.complex64"):
         _dtypes.code(torch.complex64, "the tensor")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 3), (15, 8)])
+def test_large_copies_stream_past_the_caches_exactly(threads, dst_off, src_off):
+    """Copies of 4 MiB and more use non-temporal stores (aligned to 16 bytes, with a head and
+    a tail copied plainly): every byte lands, at any alignment of either end, and nothing
+    next to the destination is touched."""
+    c = _ext.load()
+    n = (4 << 20) + 37
+    src = torch.randint(0, 256, (n + 64,), dtype=torch.uint8)
+    dst = torch.zeros(n + 64, dtype=torch.uint8)
+    c.copy(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n, threads)
+    assert torch.equal(dst[dst_off : dst_off + n], src[src_off : src_off + n])
+    assert not dst[:dst_off].any() and not dst[dst_off + n :].any()
