@@ -33,7 +33,10 @@ void wake_all(uintptr_t addr);
 // ---- data movement (ops.cpp) ----
 // One copy from process pid's memory at remote into local; 0 or an errno.
 int cma_read(int64_t pid, uintptr_t local, uintptr_t remote, size_t nbytes);
+// Copies of at least stream_min_bytes() store past the caches (x86-64); overlapping ranges
+// are copied as by memmove.
 void copy_bytes(uintptr_t dst, uintptr_t src, size_t nbytes, int nthreads);
+size_t stream_min_bytes();
 void convert(uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, size_t n, int nthreads);
 // dst[i] = op_k srcs[k][i], accumulated in float32 (float64 for F64, int64 for integers).
 void reduce(uintptr_t dst, int dst_dtype, const std::vector<uintptr_t>& srcs, int src_dtype,

@@ -65,6 +65,8 @@ class Mapping {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hp_kernels compiled core: shared memory, flags, copies, reductions, MoE sorting";
   m.attr("HAS_CUDA") = py::bool_(HP_KERNELS_HAS_CUDA != 0);
+  // read HP_KERNELS_STREAM_MIN now, with the GIL held (getenv must not race os.environ)
+  m.attr("STREAM_MIN_BYTES") = py::int_(stream_min_bytes());
 
   // Shared memory
   py::class_<Mapping, std::shared_ptr<Mapping>>(m, "Mapping", py::buffer_protocol())

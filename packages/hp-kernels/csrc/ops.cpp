@@ -121,11 +121,20 @@ static void parallel_chunks(size_t n, size_t grain, int nthreads, F&& body) {
 // first reads each destination line (read-for-ownership), a third more memory traffic on a
 // copy whose destination is bigger than the caches anyway. Below it, memcpy keeps the data
 // cached for whoever reads it next.
-static size_t stream_min_bytes() {
-  static const size_t v = [] {
-    const char* e = std::getenv("HP_KERNELS_STREAM_MIN");
-    return e ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : (size_t{4} << 20);
-  }();
+// HP_KERNELS_STREAM_MIN: a byte count (digits only); anything else keeps the default.
+static size_t parse_stream_min() {
+  const size_t fallback = size_t{4} << 20;
+  const char* e = std::getenv("HP_KERNELS_STREAM_MIN");
+  if (e == nullptr || *e < '0' || *e > '9') return fallback;
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(e, &end, 10);
+  if (errno != 0 || end == e || *end != '\0') return fallback;
+  return static_cast<size_t>(v);
+}
+
+size_t stream_min_bytes() {
+  static const size_t v = parse_stream_min();  // first read at module import (GIL held)
   return v;
 }
 
@@ -156,6 +165,10 @@ static void stream_copy(char* d, const char* s, size_t n) {
 }
 
 void copy_bytes(uintptr_t dst, uintptr_t src, size_t nbytes, int nthreads) {
+  if (nbytes != 0 && dst < src + nbytes && src < dst + nbytes) {  // overlapping: as memmove
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+    return;
+  }
   const bool stream = nbytes >= stream_min_bytes();
   parallel_chunks(nbytes, size_t{1} << 20, nthreads, [&](size_t lo, size_t hi) {
     char* d = reinterpret_cast<char*>(dst) + lo;

@@ -1,5 +1,9 @@
 """The compiled module: conversions and reductions against torch, the lazy-import error."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,3 +70,36 @@ def test_large_copies_stream_past_the_caches_exactly(threads, dst_off, src_off):
     c.copy(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n, threads)
     assert torch.equal(dst[dst_off : dst_off + n], src[src_off : src_off + n])
     assert not dst[:dst_off].any() and not dst[dst_off + n :].any()
+
+
+@pytest.mark.parametrize("shift", [1, 64, 4096, -1, -4096])
+def test_overlapping_copies_behave_like_memmove(shift):
+    """SymmetricMemory.put/get may shift data inside one buffer: a large overlapping copy
+    (where streaming stores would read bytes they already overwrote) is a memmove."""
+    c = _ext.load()
+    n = (4 << 20) + 5
+    buf = torch.randint(0, 256, (n + 8192,), dtype=torch.uint8)
+    src_off = 4096
+    want = buf.clone()
+    want[src_off + shift : src_off + shift + n] = buf[src_off : src_off + n].clone()
+    c.copy(buf.data_ptr() + src_off + shift, buf.data_ptr() + src_off, n, 2)
+    assert torch.equal(buf, want)
+
+
+def test_stream_threshold_is_read_once_and_parsed_strictly():
+    """HP_KERNELS_STREAM_MIN is a byte count; anything else keeps the 4 MiB default."""
+    code = "import hp_kernels._ext as e; print(e.load().STREAM_MIN_BYTES)"
+    got = {}
+    for value in ("123", "4M", "abc", "", "-1", "0x400000"):
+        env = {**os.environ, "HP_KERNELS_STREAM_MIN": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        got[value] = int(out.stdout.strip())
+    default = 4 << 20
+    assert got == {
+        "123": 123,
+        "4M": default,
+        "abc": default,
+        "": default,
+        "-1": default,
+        "0x400000": default,
+    }
