@@ -140,6 +140,31 @@ def _global(group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not None else r
 
 
+def _check_threaded(stages: Sequence[PipelineStage], overlap_b_f: bool, sharded: bool) -> None:
+    """What ``threaded_b_f=True`` needs, checked before anything runs."""
+    if not overlap_b_f:
+        raise PipelineError(
+            "threaded_b_f=True runs the backward of each OVERLAP_B_F step on a helper "
+            "thread: pass overlap_b_f=True too (it makes those steps)"
+        )
+    if sharded:
+        raise PipelineError(
+            "threaded_b_f=True with sharded stages: fully_shard's hooks keep per-process "
+            "state that a forward and a backward on two threads would race on; leave "
+            "threaded_b_f off for them"
+        )
+    for st in stages:
+        for name, p in st.module.named_parameters():
+            if type(p) not in (torch.Tensor, nn.Parameter):
+                raise PipelineError(
+                    f"threaded_b_f=True: stage {st.stage_index}'s parameter {name!r} is a "
+                    f"{type(p).__name__} (tensor or sequence parallelism inside the stage): "
+                    "its collectives in the backward (helper thread) and in the forward (this "
+                    "thread) would meet the other ranks' in a different order; leave "
+                    "threaded_b_f off for such stages"
+                )
+
+
 class PipelineSchedule:
     """Runs a named schedule over this rank's stages. See the subclasses.
 
@@ -191,36 +216,15 @@ class PipelineSchedule:
         if len(num) != 1:
             raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
         sharded = any(s.sharded for s in stages)
-        if threaded_b_f and not overlap_b_f:
-            raise PipelineError(
-                "threaded_b_f=True runs the backward of each OVERLAP_B_F step on a helper "
-                "thread: pass overlap_b_f=True too (it makes those steps)"
-            )
-        if threaded_b_f and sharded:
-            raise PipelineError(
-                "threaded_b_f=True with sharded stages: fully_shard's hooks keep per-process "
-                "state that a forward and a backward on two threads would race on; leave "
-                "threaded_b_f off for them"
-            )
         if threaded_b_f:
-            for st in stages:
-                for name, p in st.module.named_parameters():
-                    if type(p) not in (torch.Tensor, nn.Parameter):
-                        raise PipelineError(
-                            f"threaded_b_f=True: stage {st.stage_index}'s parameter {name!r} "
-                            f"is a {type(p).__name__} (tensor or sequence parallelism inside "
-                            "the stage): its collectives in the backward (helper thread) and "
-                            "in the forward (this thread) would meet the other ranks' in a "
-                            "different order; leave threaded_b_f off for such stages"
-                        )
-        self.threaded_b_f = threaded_b_f
-        self._helper: ThreadPoolExecutor | None = None
-        if threaded_b_f:
+            _check_threaded(stages, overlap_b_f, sharded)
             # whatever writes .grad (FULL_B, W, B's whole-backward fallback) holds one lock:
             # two threads must not both find .grad unset, or add into it at once
             lock = threading.Lock()
             for st in stages:
                 st.grad_lock = lock
+        self.threaded_b_f = threaded_b_f
+        self._helper: ThreadPoolExecutor | None = None
         self.steps_all, self.placement = build_schedule(
             self.name,
             self.pp,
@@ -497,11 +501,8 @@ class _Run:
         stage_idx, mb = step.stage, step.microbatch
         st = self.s.stages[stage_idx]
         grads = self.output_grads(stage_idx, mb)
-        full = step.backward is T.FULL_B
-        if full:
-            fut = self.on_helper_thread(st, st.backward_full, mb, grads)
-        else:
-            fut = self.on_helper_thread(st, st.backward_input, mb, grads)
+        fn = st.backward_full if step.backward is T.FULL_B else st.backward_input
+        fut = self.on_helper_thread(st, fn, mb, grads)
         try:
             self.forward(step.fused.stage, step.fused.microbatch)
         except BaseException:

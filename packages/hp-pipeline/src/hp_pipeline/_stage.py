@@ -474,7 +474,7 @@ def _grad_sink(edge: GradientEdge, x: torch.Tensor) -> torch.Tensor | None:
     return param
 
 
-_OUT_DTYPE_MM: dict[str, bool] = {}  # device type -> whether mm/addmm take out_dtype there
+_out_dtype_mm = True  # False once this torch turned out to lack mm/addmm's out_dtype
 
 
 def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -496,12 +496,12 @@ def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> b
         else:
             grad.addmm_(a, b)
         return True
-    kind = param.device.type
+    global _out_dtype_mm
     if (
-        kind != "cuda"
+        param.device.type != "cuda"
         or a.dtype not in (torch.bfloat16, torch.float16)
         or param.dtype != torch.float32
-        or not _OUT_DTYPE_MM.get(kind, True)
+        or not _out_dtype_mm
     ):
         return False
     try:
@@ -510,7 +510,7 @@ def _accumulate_into(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> b
         else:
             torch.addmm(grad, a, b, out_dtype=param.dtype, out=grad)
     except (TypeError, NotImplementedError):  # a torch without out_dtype for mm
-        _OUT_DTYPE_MM[kind] = False
+        _out_dtype_mm = False
         return False
     return True
 
