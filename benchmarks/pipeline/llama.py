@@ -4,7 +4,10 @@ The model is split into 2 stages per rank count (GPipe, 1F1B: one stage per rank
 1F1B and ZBV: two per rank); both libraries run the same split, data and optimizer (AdamW) in
 one launch, interleaved repeat by repeat. Prints, per schedule, the median step time, tokens/s
 per GPU, the ratio (ours / PyTorch; target >= 1.0) and peak memory per rank, then our measured
-bubble (one extra step with a recorded timeline, mean over ranks).
+bubble (one extra step with a recorded timeline, mean over ranks), and each implementation's
+loss after the first and the last step against PyTorch's (same weights, data and step count).
+``--threaded`` adds ours with ``threaded_b_f`` (interleaved, ZBV), ``--cuda-graphs`` ours with
+``PipelineStage(cuda_graphs=True)`` (every schedule).
 
     python benchmarks/pipeline/llama.py                       # CPU: 2 gloo ranks, tiny model
     torchrun --nproc_per_node=2 benchmarks/pipeline/llama.py --device cuda --dim 2048 \\
@@ -86,13 +89,17 @@ def _run(rank, world, args, path, queue):
         impls = ["torch", "ours"] + ["ours_ov"] * args.overlap
         # GPipe has no B+F pair; 1F1B's pair makes each rank wait for the other's (B + F)
         impls += ["ours_th"] * (args.threaded and name in ("interleaved_1f1b", "zbv"))
+        impls += ["ours_cg"] * args.cuda_graphs
         for impl in impls:
             mods = {
                 s: LlamaStage(full, bounds[s], bounds[s + 1], s == 0, s == n - 1).to(dev)
                 for s in mine
             }
             if impl.startswith("ours"):
-                stages = [hpp.PipelineStage(mods[s], s, n, device=dev) for s in mine]
+                stages = [
+                    hpp.PipelineStage(mods[s], s, n, device=dev, cuda_graphs=impl == "ours_cg")
+                    for s in mine
+                ]
                 sched = ours_cls[name](
                     stages if v > 1 else stages[0],
                     m,
@@ -108,10 +115,11 @@ def _run(rank, world, args, path, queue):
             opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
             runs[impl] = (sched, opt, 0 in mine, n - 1 in mine)
 
-        def step(impl, runs=runs):
+        def step(impl, runs=runs, losses=None):
             sched, opt, first, last = runs[impl]
+            tgt = {"target": ids, "losses": losses} if last else {}
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
-                sched.step(*((ids,) if first else ()), **({"target": ids} if last else {}))
+                sched.step(*((ids,) if first else ()), **tgt)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -122,8 +130,15 @@ def _run(rank, world, args, path, queue):
 
         times = {k: [] for k in runs}
         peak = {k: 0.0 for k in runs}
+        # every impl starts from the same weights and data: the same first loss. That step
+        # counts as a warm-up one (one runs even with --warmup 0)
+        first_loss = {}
         for k in runs:
-            for _ in range(args.warmup):
+            got = []
+            step(k, losses=got)
+            if got:
+                first_loss[k] = float(sum(x.float().item() for x in got) / len(got))
+            for _ in range(args.warmup - 1):
                 step(k)
         for _ in range(args.repeats):
             for k in runs:
@@ -142,6 +157,12 @@ def _run(rank, world, args, path, queue):
                 profile_tables(
                     args, rank, f"{name}_{k}", functools.partial(step, k), trace=bool(args.trace)
                 )
+        last_loss = {}  # after the same number of steps: a wrong gradient shows here
+        for k in runs:
+            got = []
+            step(k, losses=got)
+            if got:
+                last_loss[k] = float(sum(x.float().item() for x in got) / len(got))
         sched = runs["ours"][0]
         sync()
         sched.record_timeline = True
@@ -154,6 +175,10 @@ def _run(rank, world, args, path, queue):
             hpp.to_chrome_trace(sched.timeline, path)
         results[name] = {k: (statistics.median(times[k]), peak[k]) for k in runs}
         results[name]["bubble"] = bubble
+        both = [None] * world
+        dist.all_gather_object(both, (first_loss, last_loss))
+        results[name]["loss0"] = {k: v for f, _ in both for k, v in f.items()}
+        results[name]["loss1"] = {k: v for _, la in both for k, v in la.items()}
         del runs, sched, step
         if cuda:
             torch.cuda.empty_cache()
@@ -175,7 +200,9 @@ def _report(args, world, results):
     )
     for name in args.schedules:
         rows = {}
-        impls = [k for k in ("torch", "ours", "ours_ov", "ours_th") if k in results[0][name]]
+        impls = [
+            k for k in ("torch", "ours", "ours_ov", "ours_th", "ours_cg") if k in results[0][name]
+        ]
         for k in impls:
             med = max(r[name][k][0] for r in results.values())
             peaks = " / ".join(f"{results[r][name][k][1]:.1f}" for r in sorted(results))
@@ -188,6 +215,15 @@ def _report(args, world, results):
             )
         for k in impls[1:]:
             print(f"{name:18s} ratio {k}/PyTorch: {rows['torch'] / rows[k]:.3f}")
+        for key, what in (("loss0", "first"), ("loss1", "last")):
+            loss = results[0][name][key]
+            if "torch" in loss:
+                diffs = ", ".join(
+                    f"{k} {abs(v - loss['torch']) / abs(loss['torch']):.1e}"
+                    for k, v in loss.items()
+                    if k != "torch"
+                )
+                print(f"{name:18s} {what}-step loss {loss['torch']:.5f}; relative to it: {diffs}")
         if name == "zbv" and "1f1b" in args.schedules:  # the ZBV target is against this
             t1 = max(r["1f1b"]["torch"][0] for r in results.values())
             for k in impls[1:]:
@@ -205,6 +241,11 @@ def main(argv=None) -> int:
         "--threaded",
         action="store_true",
         help="also ours with overlap_b_f=True, threaded_b_f=True (ours_th)",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also ours with PipelineStage(cuda_graphs=True) (ours_cg)",
     )
     ap.add_argument("--profile", default="", help="folder for torch.profiler tables (rank 0)")
     ap.add_argument(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._graphs import FULL, SPLIT
 from ._ir import MetaStep, MetaStepType, Placement, Schedule, ScheduleError
 from ._schedules import build_schedule
 from ._sim import channel, simulate
@@ -216,6 +217,12 @@ class PipelineSchedule:
         if len(num) != 1:
             raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
         sharded = any(s.sharded for s in stages)
+        if threaded_b_f and any(st.graphs is not None for st in stages):
+            raise PipelineError(
+                "threaded_b_f=True with cuda_graphs stages: a graph replay costs the host "
+                "next to nothing, so there is nothing for a second thread to hide; pass one "
+                "or the other"
+            )
         if threaded_b_f:
             _check_threaded(stages, overlap_b_f, sharded)
             # whatever writes .grad (FULL_B, W, B's whole-backward fallback) holds one lock:
@@ -350,6 +357,16 @@ class _Run:
     def _execute(self) -> None:
         s = self.s
         rec = s.record_timeline
+        graphed = [st for st in s.stages.values() if st.graphs is not None]
+        if graphed:  # which backward each microbatch's graphs are captured for
+            for st in graphed:
+                st.graphs.kinds = {}
+            for step in s.steps:
+                for part in step.parts():
+                    if part.type is T.B or part.type is T.FULL_B:
+                        g = s.stages[part.stage].graphs
+                        if g is not None:
+                            g.kinds[part.microbatch] = SPLIT if part.type is T.B else FULL
         cuda = any(st.device.type == "cuda" for st in s.stages.values())
         prev = None
         for k, step in enumerate(s.steps):

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ._graphs import StageGraphs, check_graphable
+
 __all__ = ["PipelineError", "PipelineStage", "ShardedModule"]
 
 
@@ -52,6 +54,7 @@ class _Chunk:
     tails: list[tuple[object, torch.Tensor]] = field(default_factory=list)
     # W: parameter branches whose incoming gradient B already computed, and outputs that never
     # reached an input (the whole backward of a first stage): one backward from all of them
+    slot: object = None  # cuda_graphs: the _graphs._Slot this microbatch runs in
 
 
 class PipelineStage:
@@ -71,6 +74,14 @@ class PipelineStage:
     parameter are seen and keep autograd's way, but hooks on the ``AccumulateGrad`` node
     itself cannot be seen from Python: pass False when something registers them (Megatron-style
     ``main_grad`` accumulation; torch DDP's reducer, for which it is switched off on its own).
+
+    ``cuda_graphs`` (default False): each microbatch's forward and backward replay CUDA graphs
+    captured on first use, one set per microbatch in flight (see ``hp_pipeline._graphs``):
+    for stages whose step is bound by the host's kernel launches. Needs a CUDA device, static
+    input shapes, positional tensor inputs, plain (unsharded, non-DTensor) parameters, no
+    ``activation_hooks``, and a module without host synchronisation or data-dependent
+    control flow. Each in-flight microbatch keeps its own graph memory; ``.grad`` tensors are
+    fixed buffers the graphs add into (``zero_grad(set_to_none=True)`` still works).
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class PipelineStage:
         input_args: tuple | None = None,
         activation_hooks: Callable[[int], AbstractContextManager] | None = None,
         direct_weight_grads: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise PipelineError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -111,6 +123,10 @@ class PipelineStage:
         # what writes .grad (FULL_B, W, B's whole-backward fallback) holds this; a schedule
         # with threaded_b_f puts one lock here for all its stages
         self.grad_lock: AbstractContextManager = nullcontext()
+        self.graphs: StageGraphs | None = None
+        if cuda_graphs:
+            check_graphable(self)
+            self.graphs = StageGraphs(self)
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -135,6 +151,13 @@ class PipelineStage:
         """
         if mb in self._chunks:
             raise PipelineError(f"stage {self.stage_index}: microbatch {mb} ran forward twice")
+        if self.graphs is not None:
+            outs, slot = self.graphs.forward(mb, args, kwargs)
+            self._chunks[mb] = _Chunk(inputs=[], outputs=outs, slot=slot)
+            return tuple(outs)
+        return self._forward(mb, args, kwargs)
+
+    def _forward(self, mb: int, args: tuple, kwargs: dict | None) -> tuple:
         ins: list[torch.Tensor] = []
         if not self.is_first:
             args = tuple(_leaf(a, ins) for a in args)
@@ -175,6 +198,19 @@ class PipelineStage:
     def backward_full(self, mb: int, grads: tuple | None = None) -> list[torch.Tensor | None]:
         """FULL_B: input and weight gradients of ``mb`` in one backward. Returns the input
         gradients (to send to the previous stage) and drops ``mb``'s state."""
+        slot = self._chunks[mb].slot
+        if slot is None:
+            return self._backward_full(mb, grads)
+        c = self._chunks.pop(mb)
+        try:
+            dx = self.graphs.backward(slot, c.loss, c.outputs, grads)
+            if slot.w is not None:  # captured for B and W: this microbatch takes both here
+                slot.w.replay()
+        finally:
+            self.graphs._give_back(slot)
+        return dx
+
+    def _backward_full(self, mb: int, grads: tuple | None) -> list[torch.Tensor | None]:
         c = self._chunks[mb]
         outs, gs = self._roots(mb, grads)
         if outs:
@@ -193,6 +229,18 @@ class PipelineStage:
         the gradient entering its parameter branch, in the same backward call: little work
         (norm scales and the like), and one autograd call fewer per node in W.
         """
+        c = self._chunks[mb]
+        if c.slot is not None:
+            if c.slot.w is None:
+                raise PipelineError(
+                    f"stage {self.stage_index}: B of microbatch {mb}, whose graphs were "
+                    "captured for FULL_B (the schedule's steps changed after it was built?)"
+                )
+            c.input_grads = self.graphs.backward(c.slot, c.loss, c.outputs, grads)
+            return c.input_grads
+        return self._backward_input(mb, grads)
+
+    def _backward_input(self, mb: int, grads: tuple | None) -> list[torch.Tensor | None]:
         c = self._chunks[mb]
         outs, gs = self._roots(mb, grads)
         if not outs:
@@ -258,9 +306,20 @@ class PipelineStage:
         under activation checkpointing, reading a saved input outside a backward runs the
         layer's forward again for every read; in one group it runs once per layer.
         """
-        c = self._chunks.pop(mb)
-        if c.input_grads is None:
+        c = self._chunks.get(mb)
+        if c is None or c.input_grads is None:
             raise PipelineError(f"stage {self.stage_index}: W of {mb} before its B")
+        if c.slot is not None:
+            del self._chunks[mb]
+            try:
+                c.slot.w.replay()
+            finally:
+                self.graphs._give_back(c.slot)
+            return
+        self._backward_weight(mb)
+
+    def _backward_weight(self, mb: int) -> None:
+        c = self._chunks.pop(mb)
         with _exec_group(), self.grad_lock:
             self._weight_grads(c, self.direct_weight_grads)
 
@@ -289,6 +348,9 @@ class PipelineStage:
 
     def clear(self) -> None:
         """Drop every microbatch's state (after a failed step)."""
+        for c in self._chunks.values():
+            if c.slot is not None:
+                self.graphs._give_back(c.slot)
         self._chunks.clear()
 
 
