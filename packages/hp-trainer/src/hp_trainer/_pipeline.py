@@ -93,12 +93,15 @@ def pipeline_llama(
     loss_fn: Callable,
     config: ParallelizeConfig | None = None,
     device: torch.device | None = None,
+    cuda_graphs: bool = False,
 ):
     """Cut ``model`` into ``pp x v`` stages (``v`` = stages per rank of the schedule), keep this
     rank's, parallelize each with :func:`parallelize_llama` and build the schedule.
 
     Returns ``(schedule, stages)``: an hp_pipeline schedule and a :class:`StageSet` of this
-    rank's stage modules. Tied embeddings cannot be split across stages (raises)."""
+    rank's stage modules. Tied embeddings cannot be split across stages (raises).
+    ``cuda_graphs`` makes every stage replay its microbatches from CUDA graphs
+    (``PipelineStage(cuda_graphs=True)``)."""
     from hp_pipeline import (
         PipelineStage,
         Schedule1F1B,
@@ -129,7 +132,10 @@ def pipeline_llama(
             mod = split_stage(model, lo, hi, s == 0, s == n_stages - 1)
             mods[s] = parallelize_llama(mod, parallel_dims=parallel_dims, mesh=mesh, config=config)
     group = mesh.get_group("pp")
-    stages = [PipelineStage(mods[s], s, n_stages, device=device, group=group) for s in sorted(mods)]
+    stages = [
+        PipelineStage(mods[s], s, n_stages, device=device, group=group, cuda_graphs=cuda_graphs)
+        for s in sorted(mods)
+    ]
     cls = {
         "gpipe": ScheduleGPipe,
         "1f1b": Schedule1F1B,

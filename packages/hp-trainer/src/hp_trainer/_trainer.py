@@ -80,6 +80,31 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         seq_len=t.seq_len,
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
     )
+    if p.pipeline_cuda_graphs:
+        if pd.pp == 1:
+            raise ConfigError(
+                "parallelism.pipeline_cuda_graphs=true graphs pipeline stages: set "
+                "pipeline_parallel_degree > 1, or leave it false"
+            )
+        other = {
+            "data_parallel_replicate_degree": pd.dp_replicate,
+            "data_parallel_shard_degree": pd.dp_shard,
+            "tensor_parallel_degree": pd.tp,
+            "context_parallel_degree": pd.cp,
+            "expert_parallel_degree": pd.ep,
+        }
+        wrong = [f"{k}={v}" for k, v in other.items() if v > 1]
+        if wrong:
+            raise ConfigError(
+                "parallelism.pipeline_cuda_graphs=true needs unsharded stages without "
+                f"communication inside them; got {', '.join(wrong)}: set them to 1 (with "
+                f"pipeline_parallel_degree = the world size, {pd.world_size}), or leave it false"
+            )
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "parallelism.pipeline_cuda_graphs=true needs CUDA devices; this host has none: "
+                "leave it false"
+            )
     return pd, mc
 
 
@@ -190,6 +215,7 @@ class LLMTrainer:
                 loss_fn=_loss,
                 config=pconf,
                 device=self.device,
+                cuda_graphs=p.pipeline_cuda_graphs,
             )
             n_stages = len(self.schedule.placement)
             self.has_first = "0" in self.model.stages

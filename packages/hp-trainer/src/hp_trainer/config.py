@@ -72,6 +72,9 @@ class Parallelism:
     sequence_parallel: bool = True
     pipeline_schedule: str = "1f1b"  # "gpipe", "1f1b", "interleaved_1f1b" or "zbv"
     pipeline_microbatches: int = 0  # per step and data-parallel rank; 0: the pipeline degree
+    # replay each stage's forward and backward from CUDA graphs (hp_pipeline's cuda_graphs):
+    # for host-bound steps (small microbatches); unsharded stages on CUDA only
+    pipeline_cuda_graphs: bool = False
     collectives: str = "torch"  # "hp_kernels": CPU collectives through shared memory
 
 

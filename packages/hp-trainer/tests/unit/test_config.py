@@ -1,6 +1,7 @@
 """Job config: TOML + overrides, one clear error per bad key, before anything starts."""
 
 import pytest
+import torch
 
 from hp_trainer import ConfigError, load_config, preflight
 from hp_trainer.train import main
@@ -76,6 +77,21 @@ def test_pipeline_checks(tmp_path):
         preflight(load_config(p), 2)
     with pytest.raises(ConfigError, match="pipeline_schedule='1fb1' \\(did you mean '1f1b'"):
         load_config(None, ["--parallelism.pipeline_schedule", "1fb1"])
+
+
+def test_pipeline_cuda_graphs_checks():
+    """Graphed stages need a pipeline and unsharded stages: said before any process."""
+    on = ["--parallelism.pipeline_cuda_graphs", "true"]
+    with pytest.raises(ConfigError, match="set pipeline_parallel_degree > 1"):
+        preflight(load_config(None, on), 1)
+    cfg = load_config(None, [*on, "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="got data_parallel_shard_degree=2: set them to 1"):
+        preflight(cfg, 4)  # dp_shard fills the other 2 ranks
+    if torch.cuda.is_available():
+        assert preflight(cfg, 2)[0].pp == 2
+    else:
+        with pytest.raises(ConfigError, match="pipeline_cuda_graphs=true needs CUDA devices"):
+            preflight(cfg, 2)
 
 
 def test_collectives_and_linear_heads_checks(tmp_path):
