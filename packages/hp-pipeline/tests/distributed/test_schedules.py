@@ -33,10 +33,20 @@ STEPS, LR = 3, 0.5
 
 
 def _run(
-    name, m, batch, *, overlap_p2p=False, overlap_b_f=False, threaded=False, fsdp=False, impl="ours"
+    name,
+    m,
+    batch,
+    *,
+    overlap_p2p=False,
+    overlap_b_f=False,
+    threaded=False,
+    fsdp=False,
+    impl="ours",
+    cuda_graphs=False,
 ):
     """On every rank: build this rank's stages, run STEPS steps; return (losses per step on
-    the last stage's rank, gradients of the last step, parameters after) by full-model name."""
+    the last stage's rank, gradients of the last step, parameters after) by full-model name.
+    ``cuda_graphs``: on this rank's GPU (NCCL), every stage graphed."""
     if fsdp:
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
@@ -50,13 +60,20 @@ def _run(
     mine = [s for s in range(n_stages) if placement[s] == rank]
     every = split(make_model(n_stages), n_stages)
     mods = {s: every[s] for s in mine}
+    dev = torch.device("cuda", rank) if cuda_graphs else None
+    if dev is not None:
+        torch.cuda.set_device(dev)
+        mods = {s: mod.to(dev) for s, mod in mods.items()}
     if fsdp:
         for mod in mods.values():
             for layer in mod.layers:
                 fully_shard(layer, mesh=dp_mesh)
             fully_shard(mod, mesh=dp_mesh)
     if impl == "ours":
-        stages = [PipelineStage(mods[s], s, n_stages, group=group) for s in mine]
+        stages = [
+            PipelineStage(mods[s], s, n_stages, group=group, device=dev, cuda_graphs=cuda_graphs)
+            for s in mine
+        ]
         sched = cls(
             stages if v > 1 else stages[0],
             m,
@@ -80,7 +97,7 @@ def _run(
     opt = torch.optim.SGD(params, lr=LR)
     out_losses = []
     for x, y in batches(STEPS, batch * dp):
-        x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+        x, y = x.chunk(dp)[dp_rank].to(dev), y.chunk(dp)[dp_rank].to(dev)
         opt.zero_grad()
         losses = []
         args = (x,) if 0 in mods else ()
@@ -103,7 +120,7 @@ def _run(
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, hp.DTensor) else t.clone()
+    return t.full_tensor() if isinstance(t, hp.DTensor) else t.detach().cpu().clone()
 
 
 def _check(results, name, m, batch, dp=1):
@@ -413,3 +430,17 @@ def test_given_input_shapes_are_checked_against_what_arrives(pool2):
     assert (
         "input_args shapes [(2, 8, 15)] differ from what stage 0 sends [(2, 8, 16)]" in msgs[1][0]
     )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+@pytest.mark.parametrize("name", list(OURS))
+def test_two_gpus_with_cuda_graphs_match_one_process(name):
+    """Every stage graphed, on 2 GPUs over NCCL: the same losses, gradients and parameters as
+    the one-process CPU reference."""
+    from hp_testing import run_ranks
+
+    m, batch = 4, 8
+    results = run_ranks(
+        _run, 2, args=(name, m, batch), kwargs={"cuda_graphs": True}, backend="nccl", timeout=180
+    )
+    _check(results, name, m, batch)
