@@ -124,7 +124,7 @@ class StageGraphs:
         self.free: dict[tuple, list[_Slot]] = {}  # (kind, key) -> slots not in use
         self.slots = 0  # captured so far
         self.kinds: dict[int, str] = {}  # microbatch -> FULL or SPLIT (set by the runtime)
-        self.used: list[torch.Tensor] | None = None  # parameters the backward reaches
+        self.used: list[torch.Tensor] | None = None  # parameters a backward reached
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its .grad buffer
         self.state: tuple = ()  # training and requires_grad flags, baked into a capture
         self.stream: torch.cuda.Stream | None = None
@@ -147,6 +147,8 @@ class StageGraphs:
         zero = []
         with torch.no_grad():
             for p in self.used or ():
+                if not p.requires_grad:  # frozen since: its .grad stays the optimizer's business
+                    continue
                 buf, g = self.grads.get(p), p.grad
                 if buf is None:
                     buf = self.grads[p] = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -226,8 +228,9 @@ class StageGraphs:
                 torch.autocast("cuda", dtype=amp_dtype, enabled=amp_on, cache_enabled=False),
             ):
                 self._run(tag, slot, capture=False)
-            if self.used is None:
-                self.used = [p for p in params if p.grad is not None]
+            # grows with each capture: a parameter unfrozen since (a new state, a new slot)
+            reached = [p for p in params if p.grad is not None]
+            self.used = list(dict.fromkeys([*(self.used or ()), *reached]))
         finally:
             cur.wait_stream(self.stream)
             for p, g in zip(params, kept):

@@ -243,6 +243,38 @@ def test_gradients_accumulate_across_steps_without_zero_grad():
         torch.testing.assert_close(p.grad, 1 + g)
 
 
+@cuda
+def test_a_parameter_unfrozen_after_capture_accumulates_over_microbatches():
+    """A new requires_grad state captures new slots, and the newly trainable weight's graph
+    adds into a fixed .grad over the 4 microbatches (as the eager stage's gradients show);
+    while frozen its .grad stays None."""
+
+    def run(graphs: bool):
+        dev = torch.device("cuda")
+        torch.manual_seed(0)
+        model = nn.Sequential(Head(), Block(), nn.Linear(32, 50)).to(dev)
+        st = PipelineStage(model, 0, 1, device=dev, cuda_graphs=graphs)
+        sched = Schedule1F1B(st, 4, loss_fn=_loss)
+        ids = torch.randint(0, 50, (8, 8), device=dev)
+        out = []
+        for frozen in (True, False):
+            model[2].weight.requires_grad_(not frozen)
+            sched.step(ids, target=ids)
+            out.append([None if p.grad is None else p.grad.cpu() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        return out, st
+
+    ref, _ = run(False)
+    got, st = run(True)
+    assert st.graphs.slots == 2
+    assert got[0][-2] is None  # the frozen weight
+    for a_step, b_step in zip(ref, got):
+        for a, b in zip(a_step, b_step):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_cuda_graphs_refuse_a_cpu_stage():
     with pytest.raises(PipelineError, match="cuda_graphs=True: stage 0 is on cpu"):
         PipelineStage(Block(), 0, 1, device="cpu", cuda_graphs=True)
