@@ -4,6 +4,7 @@ ranks through torchrun (``torch.distributed.run``); each rank runs :func:`run`."
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import subprocess
@@ -61,6 +62,11 @@ def run(argv: list[str] | None = None) -> list[float]:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    # drop the trainer (its meshes hold process groups, in reference cycles) now, not in the
+    # interpreter's final teardown: a gloo group destroyed there aborted a process now and then
+    # (as hp_kernels' workspaces once did)
+    del trainer, log
+    gc.collect()
     return losses
 
 
