@@ -8,12 +8,13 @@ A *slot* holds one set of graphs with its own memory pool, its static inputs, ou
 gradients. A microbatch takes a free slot at its forward and gives it back after its last
 backward step, so a stage captures as many slots as it ever has microbatches in flight (1F1B:
 at most ``pp - rank``), and each slot's activations stay where its capture put them. Slots are
-per input shapes, autocast state and backward kind; new ones are captured on first need.
+per input signature, autocast state, grad mode, the modules' training flags, the parameters'
+``requires_grad`` flags and backward kind; new ones are captured on first need.
 
-Parameters' gradients: the graphs add into fixed ``.grad`` tensors. Before each step the
-stage points every parameter's ``.grad`` at its buffer (zeroed if the optimizer set it to
-None, filled from it if something else replaced it), so ``zero_grad(set_to_none=True)`` keeps
-working.
+Parameters' gradients: the graphs add into fixed ``.grad`` tensors. Whenever a stage has
+nothing in flight it points the ``.grad`` of every parameter a backward reached at its buffer
+(zeroed if the optimizer set it to None, filled from it if something else replaced it), so
+``zero_grad(set_to_none=True)`` keeps working; the stages of one schedule share the buffers.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class StageGraphs:
         self.used: list[torch.Tensor] | None = None  # parameters a backward reached
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its .grad buffer
         self.state: tuple = ()  # training and requires_grad flags, baked into a capture
+        self.ptrs: dict[str, int] = {}  # parameters' addresses the graphs read
         self.stream: torch.cuda.Stream | None = None
 
     # -- per step -----------------------------------------------------------------------------
@@ -138,7 +140,28 @@ class StageGraphs:
             tuple(m.training for m in mod.modules()),
             tuple(p.requires_grad for p in mod.parameters()),
         )
+        if self.ptrs:
+            self._check_storage()
         self.attach_grads()
+
+    def _check_storage(self) -> None:
+        """The graphs read parameters where they were at capture: one replaced out of place
+        since (``.data =``, ``load_state_dict(assign=True)``, ``.to(...)``) is an
+        error, not a silent read of the old memory."""
+        from ._stage import PipelineError
+
+        for name, t in self._tensors():
+            if self.ptrs.get(name) != t.data_ptr():
+                raise PipelineError(
+                    f"cuda_graphs=True: stage {self.stage.stage_index}'s {name!r} moved to new "
+                    "memory after its graphs were captured (replaced out of place); update it "
+                    "in place instead (copy_, load_state_dict without assign=True)"
+                )
+
+    def _tensors(self):
+        # parameters only: a buffer made anew in forward (a rotary cache grown for a longer
+        # sequence) is the module's business, and a new shape captures anew anyway
+        return list(self.stage.module.named_parameters())
 
     def attach_grads(self) -> None:
         """Point the ``.grad`` of every parameter this stage's backward reaches at its buffer,
@@ -205,6 +228,7 @@ class StageGraphs:
         from ._stage import PipelineError
 
         st = self.stage
+        check_graphable(st)  # hooks or wrappers added since the stage was made
         if self.stream is None:
             self.stream = torch.cuda.Stream(st.device)
         slot = _Slot(
@@ -218,6 +242,8 @@ class StageGraphs:
         amp_on, amp_dtype = key[1]
         params = [p for p in st.module.parameters() if p.requires_grad]
         kept = [p.grad for p in params]
+        bufs = list(st.module.buffers())
+        kept_bufs = [b.clone() for b in bufs]  # BatchNorm statistics, counters
         cur = torch.cuda.current_stream(st.device)
         self.stream.wait_stream(cur)
         try:
@@ -233,10 +259,14 @@ class StageGraphs:
             self.used = list(dict.fromkeys([*(self.used or ()), *reached]))
         finally:
             cur.wait_stream(self.stream)
+            with torch.no_grad():  # the warm-up's module state changes are undone
+                for b, v in zip(bufs, kept_bufs):
+                    b.copy_(v)
             for p, g in zip(params, kept):
                 p.grad = g
             st._chunks.pop(tag, None)
         self.attach_grads()  # the graphs add into these: they must exist when captured
+        self.ptrs = {name: t.data_ptr() for name, t in self._tensors()}
         # autocast's cast cache would hand one capture's casts to the next: off while capturing
         try:
             with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_on, cache_enabled=False):
@@ -299,15 +329,19 @@ class StageGraphs:
         if not st._chunks:
             self.begin()
         slot = self._take(args, self.kinds.get(mb, SPLIT))
-        with torch.no_grad():
-            for s, a in zip(slot.args, args):
-                if isinstance(s, torch.Tensor):
-                    s.copy_(a)
-        slot.f.replay()
-        outs = []
-        for o in slot.outs:
-            c = o.detach().clone()
-            outs.append(c.requires_grad_() if st.is_last and o.requires_grad else c)
+        try:
+            with torch.no_grad():
+                for s, a in zip(slot.args, args):
+                    if isinstance(s, torch.Tensor):
+                        s.copy_(a)
+            slot.f.replay()
+            outs = []
+            for o in slot.outs:
+                c = o.detach().clone()
+                outs.append(c.requires_grad_() if st.is_last and o.requires_grad else c)
+        except BaseException:
+            self._give_back(slot)  # no chunk holds it yet
+            raise
         return outs, slot
 
     def backward(self, slot: _Slot, loss, outs, grads) -> list[torch.Tensor]:

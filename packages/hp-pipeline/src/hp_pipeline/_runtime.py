@@ -223,6 +223,14 @@ class PipelineSchedule:
                 "next to nothing, so there is nothing for a second thread to hide; pass one "
                 "or the other"
             )
+        graphed = [st for st in stages if st.graphs is not None]
+        if len(graphed) > 1:
+            # a parameter two stages share (tied embeddings on ZBV's rank 0) must have one
+            # .grad buffer, or each stage would re-point .grad at its own and lose the other's
+            shared: dict = {}
+            for st in graphed:
+                shared.update(st.graphs.grads)
+                st.graphs.grads = shared
         if threaded_b_f:
             _check_threaded(stages, overlap_b_f, sharded)
             # whatever writes .grad (FULL_B, W, B's whole-backward fallback) holds one lock:
@@ -351,6 +359,9 @@ class _Run:
             self._execute()
         finally:  # the step ends, or fails, only when the helper thread is idle
             wait_futures(self.on_helper)
+            for st in self.s.stages.values():
+                if st.graphs is not None:  # direct calls after the step take B + W slots
+                    st.graphs.kinds = {}
         for f in self.on_helper:
             f.result()
 

@@ -234,7 +234,8 @@ class PipelineStage:
             if c.slot.w is None:
                 raise PipelineError(
                     f"stage {self.stage_index}: B of microbatch {mb}, whose graphs were "
-                    "captured for FULL_B (the schedule's steps changed after it was built?)"
+                    "captured for FULL_B only: its schedule's step list has FULL_B for it (was "
+                    "the list changed, or is the stage driven by hand alongside a schedule?)"
                 )
             c.input_grads = self.graphs.backward(c.slot, c.loss, c.outputs, grads)
             return c.input_grads

@@ -364,3 +364,44 @@ def test_the_hand_made_schedules_train_as_1f1b_does(schedule):
     ref = _train("1f1b", False, [False] * 2, device="cpu")
     got = _train(schedule, False, [False] * 2, device="cpu")
     _compare(ref, got, False)
+
+
+def test_graphed_stages_of_one_schedule_share_gradient_buffers():
+    """A parameter two stages share (tied embeddings on ZBV's rank 0): one .grad buffer, so
+    neither stage re-points .grad away from what the other adds into (CPU: the bookkeeping
+    only, no graphs run)."""
+    from hp_pipeline._graphs import StageGraphs
+
+    first, last = Block(), Block()
+    last.up.weight = first.up.weight  # tied
+    stages = [PipelineStage(first, 0, 2, device="cpu"), PipelineStage(last, 1, 2, device="cpu")]
+    for st in stages:
+        st.graphs = StageGraphs(st)
+    ScheduleZBV(stages, 4, loss_fn=_loss)
+    assert stages[0].graphs.grads is stages[1].graphs.grads
+    w = first.up.weight
+    for st in stages:
+        st.graphs.used = [w]
+    stages[0].graphs.begin()
+    buf = w.grad
+    buf += 1  # what stage 0's graphs add
+    stages[1].graphs.begin()  # stage 1 starts later in the step
+    assert w.grad is buf and bool((w.grad == 1).all())
+    w.grad = None  # zero_grad(set_to_none=True)
+    stages[1].graphs.begin()
+    assert w.grad is buf and bool((w.grad == 0).all())
+
+
+def test_a_parameter_replaced_out_of_place_after_capture_is_an_error():
+    from hp_pipeline._graphs import StageGraphs
+
+    st = PipelineStage(Block(), 0, 1, device="cpu")
+    st.graphs = g = StageGraphs(st)
+    g.ptrs = {n: p.data_ptr() for n, p in st.module.named_parameters()}  # as at capture
+    g.begin()  # unchanged: fine
+    with torch.no_grad():
+        st.module.up.weight.copy_(torch.ones_like(st.module.up.weight))  # in place: fine
+    g.begin()
+    st.module.up.weight.data = torch.zeros(64, 32)
+    with pytest.raises(PipelineError, match="'up.weight' moved to new memory"):
+        g.begin()
