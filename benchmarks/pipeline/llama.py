@@ -123,6 +123,14 @@ def _run(rank, world, args, path, queue):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        def loss_step(impl, into, step=step):
+            """One step; on the rank with the last stage, its mean microbatch loss into
+            ``into[impl]``."""
+            got = []
+            step(impl, losses=got)
+            if got:
+                into[impl] = float(sum(x.float().item() for x in got) / len(got))
+
         def sync():
             if cuda:
                 torch.cuda.synchronize()
@@ -134,10 +142,7 @@ def _run(rank, world, args, path, queue):
         # counts as a warm-up one (one runs even with --warmup 0)
         first_loss = {}
         for k in runs:
-            got = []
-            step(k, losses=got)
-            if got:
-                first_loss[k] = float(sum(x.float().item() for x in got) / len(got))
+            loss_step(k, first_loss)
             for _ in range(args.warmup - 1):
                 step(k)
         for _ in range(args.repeats):
@@ -159,10 +164,7 @@ def _run(rank, world, args, path, queue):
                 )
         last_loss = {}  # after the same number of steps: a wrong gradient shows here
         for k in runs:
-            got = []
-            step(k, losses=got)
-            if got:
-                last_loss[k] = float(sum(x.float().item() for x in got) / len(got))
+            loss_step(k, last_loss)
         sched = runs["ours"][0]
         sync()
         sched.record_timeline = True

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from ._errors import PipelineError
+
 if TYPE_CHECKING:
     from ._stage import PipelineStage
 
@@ -51,8 +53,6 @@ class _Slot:
 
 def check_graphable(stage: PipelineStage) -> None:
     """Raise a PipelineError when ``stage`` cannot run from CUDA graphs (before any step)."""
-    from ._stage import PipelineError
-
     idx = stage.stage_index
     if stage.device.type != "cuda":
         raise PipelineError(
@@ -125,6 +125,7 @@ class StageGraphs:
         self.free: dict[tuple, list[_Slot]] = {}  # (kind, key) -> slots not in use
         self.slots = 0  # captured so far
         self.kinds: dict[int, str] = {}  # microbatch -> FULL or SPLIT (set by the runtime)
+        self.stepping = False  # inside a schedule's step (begin() ran at its start)
         self.used: list[torch.Tensor] | None = None  # parameters a backward reached
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its .grad buffer
         self.state: tuple = ()  # training and requires_grad flags, baked into a capture
@@ -132,6 +133,19 @@ class StageGraphs:
         self.stream: torch.cuda.Stream | None = None
 
     # -- per step -----------------------------------------------------------------------------
+    def start_step(self, kinds: dict[int, str]) -> None:
+        """A schedule's step begins: each microbatch's backward kind (FULL or SPLIT), and
+        :meth:`begin` once for the whole step rather than whenever the stage empties."""
+        self.kinds = kinds
+        self.stepping = True
+        self.begin()
+
+    def end_step(self) -> None:
+        """The step is over (or failed): direct calls after it take B + W slots and begin
+        again whenever the stage has nothing in flight."""
+        self.kinds = {}
+        self.stepping = False
+
     def begin(self) -> None:
         """Before a stage's first forward with nothing in flight: fixed ``.grad`` buffers in
         place, and the module state a capture depends on read once."""
@@ -148,8 +162,6 @@ class StageGraphs:
         """The graphs read parameters where they were at capture: one replaced out of place
         since (``.data =``, ``load_state_dict(assign=True)``, ``.to(...)``) is an
         error, not a silent read of the old memory."""
-        from ._stage import PipelineError
-
         for name, t in self._tensors():
             if self.ptrs.get(name) != t.data_ptr():
                 raise PipelineError(
@@ -172,25 +184,22 @@ class StageGraphs:
             for p in self.used or ():
                 if not p.requires_grad:  # frozen since: its .grad stays the optimizer's business
                     continue
-                buf, g = self.grads.get(p), p.grad
+                buf = self.grads.get(p)
                 if buf is None:
-                    buf = self.grads[p] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    if g is not None:
-                        buf.copy_(g)
-                    p.grad = buf
-                elif g is None:
+                    buf = self.grads[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                g = p.grad
+                if g is buf:
+                    continue
+                if g is None:
                     zero.append(buf)
-                    p.grad = buf
-                elif g is not buf:
+                else:
                     buf.copy_(g)
-                    p.grad = buf
+                p.grad = buf
             if zero:
                 torch._foreach_zero_(zero)
 
     # -- slots --------------------------------------------------------------------------------
     def _key(self, args: tuple) -> tuple:
-        from ._stage import PipelineError
-
         sig = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -225,8 +234,6 @@ class StageGraphs:
         stream (handles and workspaces made lazily cannot be made during a capture). The eager
         run writes into fresh gradients, set aside afterwards; the first one also tells which
         parameters the backward reaches."""
-        from ._stage import PipelineError
-
         st = self.stage
         check_graphable(st)  # hooks or wrappers added since the stage was made
         if self.stream is None:
@@ -313,8 +320,6 @@ class StageGraphs:
     def forward(self, mb: int, args: tuple, kwargs: dict | None):
         """Replay a slot's forward on ``args``; returns copies of its outputs (the last
         stage's want a gradient, for the loss) and the slot."""
-        from ._stage import PipelineError
-
         st = self.stage
         if kwargs:
             raise PipelineError(
@@ -326,7 +331,7 @@ class StageGraphs:
                 "cuda_graphs=True: the first stage's inputs want a gradient, which a graph "
                 "(fed by copies) cannot pass back; detach them or leave cuda_graphs off"
             )
-        if not st._chunks:
+        if not st._chunks and not self.stepping:  # called by hand, not by a schedule
             self.begin()
         slot = self._take(args, self.kinds.get(mb, SPLIT))
         try:
@@ -348,8 +353,6 @@ class StageGraphs:
         """Replay the slot's FULL_B or B graph from ``grads`` (or, on the last stage, from
         ``loss``'s gradient at the outputs; parameters inside the loss get theirs as without
         graphs); returns copies of the input gradients."""
-        from ._stage import PipelineError
-
         floats = [o for o in outs if o.is_floating_point()]
         if loss is not None:
             with self.stage.grad_lock:

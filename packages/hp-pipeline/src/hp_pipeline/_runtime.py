@@ -360,24 +360,23 @@ class _Run:
         finally:  # the step ends, or fails, only when the helper thread is idle
             wait_futures(self.on_helper)
             for st in self.s.stages.values():
-                if st.graphs is not None:  # direct calls after the step take B + W slots
-                    st.graphs.kinds = {}
+                if st.graphs is not None:
+                    st.graphs.end_step()
         for f in self.on_helper:
             f.result()
 
     def _execute(self) -> None:
         s = self.s
         rec = s.record_timeline
-        graphed = [st for st in s.stages.values() if st.graphs is not None]
-        if graphed:  # which backward each microbatch's graphs are captured for
-            for st in graphed:
-                st.graphs.kinds = {}
+        # graphed stages: which backward each microbatch's graphs are captured for
+        kinds = {i: {} for i, st in s.stages.items() if st.graphs is not None}
+        if kinds:
             for step in s.steps:
                 for part in step.parts():
-                    if part.type is T.B or part.type is T.FULL_B:
-                        g = s.stages[part.stage].graphs
-                        if g is not None:
-                            g.kinds[part.microbatch] = SPLIT if part.type is T.B else FULL
+                    if part.stage in kinds and part.type in (T.B, T.FULL_B):
+                        kinds[part.stage][part.microbatch] = SPLIT if part.type is T.B else FULL
+            for i, k in kinds.items():
+                s.stages[i].graphs.start_step(k)
         cuda = any(st.device.type == "cuda" for st in s.stages.values())
         prev = None
         for k, step in enumerate(s.steps):

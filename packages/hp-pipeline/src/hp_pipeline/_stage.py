@@ -15,13 +15,10 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ._errors import PipelineError
 from ._graphs import StageGraphs, check_graphable
 
 __all__ = ["PipelineError", "PipelineStage", "ShardedModule"]
-
-
-class PipelineError(ValueError):
-    """Bad pipeline arguments (stage indices, microbatches, inputs)."""
 
 
 @runtime_checkable
