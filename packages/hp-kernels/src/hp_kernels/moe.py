@@ -3,8 +3,14 @@
 ``permute_tokens`` sorts the ``T x k`` routed copies of the tokens by expert, stably (token
 order kept within an expert), so each expert sees one contiguous block; ``unpermute_tokens``
 scatters expert outputs back and combines each token's ``k`` copies with its routing weights.
-Both are differentiable (index-select / index-add underneath). On CPU the order comes from an
-O(T k) counting sort in the compiled module; on CUDA from torch's stable sort.
+
+Both directions are gathers, forward and backward: a permutation is a bijection between the
+``T * k`` copies and the rows of the permuted buffer, so ``order`` (row -> copy) and
+``inverse`` (copy -> row) turn every scatter-add into a gather followed by a sum over the
+``k`` copies of a token. No atomics: results are bitwise reproducible on GPUs, where
+``index_add`` is not. On CPU the order comes from an O(T k) counting sort in the compiled
+module; on CUDA from torch's stable sort. Copies left out with ``keep`` (capacity drops) are
+placed after every expert's block: they are in no expert's rows and contribute nothing.
 """
 
 from __future__ import annotations
@@ -15,52 +21,197 @@ import torch
 
 from ._ext import load
 
-__all__ = ["Permutation", "permute_tokens", "unpermute_tokens"]
+__all__ = [
+    "Permutation",
+    "count_experts",
+    "expert_order",
+    "gather_rows",
+    "permute_tokens",
+    "unpermute_tokens",
+]
 
 
 class Permutation(NamedTuple):
     """Result of :func:`permute_tokens`.
 
     Attributes:
-        tokens: ``(T * k, H)`` token copies grouped by expert.
+        tokens: ``(T * k, H)`` token copies grouped by expert (copies left out by ``keep``
+            last).
         order: ``(T * k,)`` int64: row ``r`` of ``tokens`` is token ``order[r] // k``'s
             ``order[r] % k``-th routed copy.
-        counts: ``(num_experts,)`` int64 rows per expert.
+        counts: ``(num_experts,)`` int64 rows per expert (kept copies only).
         offsets: ``(num_experts + 1,)`` int64 start row of each expert (cumulative counts).
+        inverse: ``(T * k,)`` int64: copy ``c`` sits in row ``inverse[c]`` (``order``'s inverse).
     """
 
     tokens: torch.Tensor
     order: torch.Tensor
     counts: torch.Tensor
     offsets: torch.Tensor
+    inverse: torch.Tensor | None = None
 
 
-def _expert_order(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def count_experts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(num_experts,)`` int64 occurrences of each id in ``expert_ids`` (flattened), without the
+    device-to-host sync ``torch.bincount`` makes on CUDA to size its output."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    out = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return out.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     if flat.device.type == "cpu":
         c = load()
         flat = flat.contiguous()
         order = torch.empty_like(flat)
-        counts = torch.empty(num_experts, dtype=torch.int64)
+        counts = torch.empty(buckets, dtype=torch.int64)
         bad = c.expert_order(
-            flat.data_ptr(), flat.numel(), num_experts, order.data_ptr(), counts.data_ptr()
+            flat.data_ptr(), flat.numel(), buckets, order.data_ptr(), counts.data_ptr()
         )
         if bad >= 0:
             raise ValueError(
-                f"permute_tokens: expert_indices holds {int(flat[bad])} at flat position {bad}; "
-                f"expert ids must lie in [0, num_experts={num_experts})"
+                f"expert ids must lie in [0, num_experts={buckets}); flat position {bad} holds "
+                f"{int(flat[bad])}"
             )
         return order, counts
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(
-            f"permute_tokens: expert_indices must lie in [0, num_experts={num_experts})"
-        )
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= buckets):
+        raise ValueError(f"expert ids must lie in [0, num_experts={buckets})")
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts
+    return order, count_experts(flat, buckets)
+
+
+def expert_order(
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    keep: torch.Tensor | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stable order that groups ``expert_ids`` (flattened) by expert, and the counts.
+
+    Args:
+        expert_ids: integer ids in ``[0, num_experts)``, any shape (read flattened).
+        num_experts: ``E``.
+        keep: optional bool mask of ``expert_ids``' shape; entries that are False go after every
+            expert's block and are not counted.
+        check: on CUDA, check the id range (a device-to-host sync); pass False for ids made by
+            a router, which are in range by construction. The CPU path always checks (free).
+
+    Returns:
+        ``(order, counts)``: ``order[r]`` is the flat position of the ``r``-th entry in expert
+        order (int64, ``expert_ids.numel()`` entries); ``counts`` (``(E,)`` int64) the kept
+        entries per expert.
+    """
+    if expert_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"expert ids must be int64 or int32, got {expert_ids.dtype}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts={num_experts} must be positive")
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    if keep is None:
+        if not check and flat.device.type != "cpu":
+            order = torch.sort(flat, stable=True).indices
+            return order, count_experts(flat, num_experts)
+        return _counting_order(flat, num_experts)
+    if keep.shape != expert_ids.shape or keep.dtype != torch.bool:
+        raise ValueError(
+            f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, got "
+            f"{keep.dtype} {tuple(keep.shape)}"
+        )
+    if check and flat.device.type != "cpu" and flat.numel():
+        if int(flat.min()) < 0 or int(flat.max()) >= num_experts:
+            raise ValueError(f"expert ids must lie in [0, num_experts={num_experts})")
+    flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: one bucket past the end
+    if flat.device.type == "cpu":
+        order, counts = _counting_order(flat, num_experts + 1)
+    else:
+        order = torch.sort(flat, stable=True).indices
+        counts = count_experts(flat, num_experts + 1)
+    return order, counts[:num_experts]
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inv
+
+
+class _GatherRows(torch.autograd.Function):
+    """``src.index_select(0, order // k)`` where every row of ``src`` is taken exactly ``k``
+    times; the backward sums each row's ``k`` copies through ``inverse`` (a gather, no
+    atomics)."""
+
+    @staticmethod
+    def forward(ctx, src, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.rows = k, src.shape[0]
+        index = order if k == 1 else torch.div(order, k, rounding_mode="floor")
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)
+        if ctx.k > 1:
+            g = g.view(ctx.rows, ctx.k, *grad.shape[1:]).sum(1)
+        return g, None, None, None
+
+
+def gather_rows(
+    src: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int = 1
+) -> torch.Tensor:
+    """Rows ``order // k`` of ``src`` (``src.shape[0] * k`` of them), differentiable with a
+    gather-only backward. ``inverse`` is ``order``'s inverse permutation (``inverse[order[r]] =
+    r``). With ``k = 1`` it applies a permutation of the rows."""
+    return _GatherRows.apply(src, order, inverse, k)
+
+
+def _row_gates(probs, order, dtype):
+    return probs.reshape(-1).index_select(0, order).to(dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """``out[t] = sum_j probs[t, j] * permuted[inverse[t * k + j]]`` (copies not in ``keep``
+    count zero), with gathers only, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, permuted, probs, order, inverse, keep):
+        t, k = probs.shape
+        rows = permuted.index_select(0, inverse).view(t, k, permuted.shape[1])
+        w = probs.to(permuted.dtype)
+        if keep is not None:
+            rows = rows.masked_fill(~keep.unsqueeze(-1), 0)
+            w = w.masked_fill(~keep, 0)
+        out = torch.bmm(w.unsqueeze(1), rows).squeeze(1)
+        ctx.save_for_backward(permuted, probs, order, inverse, keep)
+        ctx.k = k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        permuted, probs, order, inverse, keep = ctx.saved_tensors
+        k = ctx.k
+        g_rows = grad_out.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        grad_permuted = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            w = probs if keep is None else probs.masked_fill(~keep, 0)
+            grad_permuted = g_rows * _row_gates(w, order, g_rows.dtype).unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            acc = torch.float32 if permuted.element_size() < 4 else permuted.dtype
+            dots = (g_rows * permuted).sum(-1, dtype=acc)
+            grad_probs = dots.index_select(0, inverse).view(probs.shape)
+            if keep is not None:
+                grad_probs = grad_probs.masked_fill(~keep, 0)
+            grad_probs = grad_probs.to(probs.dtype)
+        return grad_permuted, grad_probs, None, None, None
 
 
 def permute_tokens(
-    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+    tokens: torch.Tensor,
+    expert_indices: torch.Tensor,
+    num_experts: int,
+    *,
+    keep: torch.Tensor | None = None,
+    check: bool = True,
 ) -> Permutation:
     """Copy each token once per routed expert and group the copies by expert.
 
@@ -68,6 +219,9 @@ def permute_tokens(
         tokens: ``(T, H)``.
         expert_indices: ``(T, k)`` (or ``(T,)`` for top-1) integer expert ids.
         num_experts: number of experts ``E``.
+        keep: optional ``(T, k)`` bool mask; copies that are False (dropped over capacity) go
+            after every expert's block.
+        check: see :func:`expert_order`.
     """
     if tokens.dim() != 2:
         raise ValueError(f"permute_tokens: tokens must be (T, H), got shape {tuple(tokens.shape)}")
@@ -81,14 +235,18 @@ def permute_tokens(
             f"permute_tokens: expert_indices has shape {tuple(expert_indices.shape)}; it needs "
             f"(T, k) with T = tokens.shape[0] = {tokens.shape[0]}"
         )
-    if num_experts <= 0:
-        raise ValueError(f"permute_tokens: num_experts={num_experts} must be positive")
+    if keep is not None and keep.dim() == 1:
+        keep = keep.unsqueeze(1)
     k = idx.shape[1]
-    order, counts = _expert_order(idx.reshape(-1).to(torch.int64), num_experts)
-    permuted = tokens.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    try:
+        order, counts = expert_order(idx, num_experts, keep=keep, check=check)
+    except ValueError as e:
+        raise ValueError(f"permute_tokens: {e}") from None
+    inverse = _inverse(order)
+    permuted = gather_rows(tokens, order, inverse, k)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return Permutation(permuted, order, counts, offsets)
+    return Permutation(permuted, order, counts, offsets, inverse)
 
 
 def unpermute_tokens(
@@ -97,6 +255,8 @@ def unpermute_tokens(
     probs: torch.Tensor | None = None,
     *,
     num_tokens: int | None = None,
+    inverse: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`permute_tokens` with a weighted combine:
     ``out[t] = sum_j probs[t, j] * permuted[row of (t, j)]``.
@@ -106,31 +266,31 @@ def unpermute_tokens(
         order: the ``order`` of the :class:`Permutation`.
         probs: ``(T, k)`` routing weights; ``None`` sums the copies unweighted.
         num_tokens: ``T`` (needed only when ``probs`` is ``None`` and ``k`` > 1).
+        inverse: the :class:`Permutation`'s ``inverse`` (computed from ``order`` if omitted).
+        keep: the mask given to :func:`permute_tokens`; dropped copies count zero (their rows
+            may hold anything, NaN included).
     """
     if permuted.dim() != 2 or permuted.shape[0] != order.numel():
         raise ValueError(
             f"unpermute_tokens: permuted has shape {tuple(permuted.shape)}; it needs "
             f"({order.numel()}, H), one row per entry of order"
         )
-    if probs is not None:
-        if probs.dim() == 1:
-            probs = probs.unsqueeze(1)
-        t, k = probs.shape
-        if t * k != order.numel():
-            raise ValueError(
-                f"unpermute_tokens: probs has shape {tuple(probs.shape)} but order "
-                f"has {order.numel()} entries (T * k)"
-            )
-        weights = probs.reshape(-1).index_select(0, order).to(permuted.dtype).unsqueeze(1)
-        rows = permuted * weights
-    else:
+    if probs is None:
         t = order.numel() if num_tokens is None else int(num_tokens)
-        if order.numel() % t:
+        if t <= 0 or order.numel() % t:
             raise ValueError(
                 f"unpermute_tokens: num_tokens={t} does not divide {order.numel()} rows"
             )
-        k = order.numel() // t
-        rows = permuted
-    token = torch.div(order, k, rounding_mode="floor")
-    out = torch.zeros((t, permuted.shape[1]), dtype=permuted.dtype, device=permuted.device)
-    return out.index_add(0, token, rows)
+        probs = torch.ones(t, order.numel() // t, dtype=permuted.dtype, device=permuted.device)
+    if probs.dim() == 1:
+        probs = probs.unsqueeze(1)
+    if probs.dim() != 2 or probs.numel() != order.numel():
+        raise ValueError(
+            f"unpermute_tokens: probs has shape {tuple(probs.shape)} but order "
+            f"has {order.numel()} entries (T * k)"
+        )
+    if keep is not None:
+        keep = keep.reshape(probs.shape)
+    if inverse is None:
+        inverse = _inverse(order)
+    return _Combine.apply(permuted, probs, order, inverse, keep)

@@ -86,3 +86,41 @@ def test_bad_input():
         moe.permute_tokens(tokens, torch.zeros(4, 2), 5)
     with pytest.raises(ValueError, match="one row per entry"):
         moe.unpermute_tokens(torch.randn(5, 3), torch.arange(4))
+
+
+def test_keep_drops_copies_after_every_expert_and_combines_them_as_zero():
+    g = torch.Generator().manual_seed(3)
+    T, H, E, k = 9, 4, 3, 2
+    tokens = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    probs = torch.rand(T, k, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(T, k, generator=g) > 0.3
+    perm = moe.permute_tokens(tokens, idx, E, keep=keep)
+    n_kept = int(keep.sum())
+    assert perm.counts.sum() == n_kept
+    assert torch.equal(perm.order[perm.inverse], torch.arange(T * k))  # inverse permutations
+    kept_ids = idx.reshape(-1)[perm.order[:n_kept]]
+    assert torch.equal(kept_ids, kept_ids.sort(stable=True).values)  # grouped by expert
+    assert not keep.reshape(-1)[perm.order[n_kept:]].any()  # the dropped ones last
+    rows = perm.tokens * 2.0
+    rows = torch.cat([rows[:n_kept], torch.full_like(rows[n_kept:], float("nan"))])
+    out = moe.unpermute_tokens(rows, perm.order, probs, inverse=perm.inverse, keep=keep)
+    ref = (2.0 * tokens[:, None, :] * (probs * keep)[..., None]).sum(1)
+    torch.testing.assert_close(out, ref)
+    up = torch.randn(T, H, generator=g, dtype=torch.float64)
+    (out * up).sum().backward()
+    t2 = tokens.detach().clone().requires_grad_(True)
+    p2 = probs.detach().clone().requires_grad_(True)
+    ((2.0 * t2[:, None, :] * (p2 * keep)[..., None]).sum(1) * up).sum().backward()
+    torch.testing.assert_close(tokens.grad, t2.grad)
+    torch.testing.assert_close(probs.grad, p2.grad)
+
+
+def test_count_experts_and_gather_rows():
+    ids = torch.tensor([[2, 0], [2, 2], [1, 0]])
+    assert moe.count_experts(ids, 4).tolist() == [2, 1, 3, 0]
+    src = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    order = torch.tensor([3, 0, 4, 1, 2])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(5)
+    assert torch.autograd.gradcheck(lambda s: moe.gather_rows(s, order, inverse), (src,))

@@ -3,13 +3,15 @@
 The most used names sit at the top level (``hp.fully_shard``, ``hp.DTensor``,
 ``hp.init_device_mesh``, ``hp.parallelize_module``, ``hp.PipelineStage``, ...); each package is
 also reachable whole: ``hp.dtensor``, ``hp.fsdp``, ``hp.optim``, ``hp.pipeline``, ``hp.offload``,
-``hp.dcp``, ``hp.trainer``, ``hp.kernels`` (its compiled module loads on first use).
+``hp.dcp``, ``hp.moe``, ``hp.trainer``, ``hp.kernels`` (its compiled module loads on first
+use).
 """
 
 import hp_dcp as dcp
 import hp_dtensor as dtensor
 import hp_fsdp as fsdp
 import hp_kernels as kernels
+import hp_moe as moe
 import hp_offload as offload
 import hp_optim as optim
 import hp_pipeline as pipeline
@@ -35,6 +37,15 @@ from hp_dtensor.parallel import (
     parallelize_module,
 )
 from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from hp_moe import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    GroupedExperts,
+    MoE,
+    TokenChoiceTopKRouter,
+    register_expert_bias_update,
+    update_expert_bias,
+)
 from hp_offload import OffloadPlan, checkpoint_wrapper, swap_wrapper
 from hp_optim import AdamW, Muon, clip_grad_norm_
 from hp_pipeline import (
@@ -54,8 +65,12 @@ __all__ = [
     "ColwiseParallel",
     "DTensor",
     "DeviceMesh",
+    "ExpertParallel",
+    "ExpertTensorParallel",
+    "GroupedExperts",
     "Layout",
     "MixedPrecisionPolicy",
+    "MoE",
     "Muon",
     "OffloadPlan",
     "ParallelDims",
@@ -71,6 +86,7 @@ __all__ = [
     "ScheduleZBV",
     "SequenceParallel",
     "Shard",
+    "TokenChoiceTopKRouter",
     "checkpoint_wrapper",
     "clip_grad_norm_",
     "dcp",
@@ -82,11 +98,14 @@ __all__ = [
     "kernels",
     "init_device_mesh",
     "loss_parallel",
+    "moe",
     "offload",
     "optim",
     "parallelize_llama",
     "parallelize_module",
     "pipeline",
+    "register_expert_bias_update",
     "swap_wrapper",
     "trainer",
+    "update_expert_bias",
 ]

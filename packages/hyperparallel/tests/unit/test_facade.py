@@ -29,5 +29,8 @@ def test_facade_names_are_the_packages_objects():
     import hp_kernels
 
     assert hp.kernels is hp_kernels and hp.kernels.comm.all_reduce is hp_kernels.comm.all_reduce
+    import hp_moe
+
+    assert hp.moe is hp_moe and hp.MoE is hp_moe.MoE and hp.ExpertParallel is hp_moe.ExpertParallel
     for name in hp.__all__:
         assert getattr(hp, name) is not None, name

@@ -1,0 +1,233 @@
+"""Load balancing: the auxiliary loss, auxiliary-loss-free expert bias, capacity drops.
+
+NOTE [Balance statistics and recomputation]
+    Activation checkpointing runs a layer's forward again during backward. A recomputed forward
+    must neither count its tokens again nor change step statistics, and the auxiliary loss's
+    gradient must be the one its first forward computed. So: counting and accumulation are
+    skipped while autograd is executing a backward (``torch._C._current_graph_task_id()`` is not
+    -1 exactly then, for reentrant and non-reentrant checkpoints alike); the loss's expert
+    weights ``f`` ride on its autograd node as an attribute, not as a saved tensor, so the node
+    of the first forward (the one backward runs; the recomputation only refills saved tensors)
+    keeps them. The recomputed forward performs the same autograd-recorded ops in the same
+    order, as the checkpoint requires.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import hp_dtensor as hp
+from hp_kernels.moe import count_experts
+
+from .errors import MoEConfigError
+
+__all__ = [
+    "AUX_LOSS_TYPES",
+    "MoEAuxLossAutoScaler",
+    "capacity_keep",
+    "in_backward",
+    "register_expert_bias_update",
+    "set_load_balance_group",
+    "update_expert_bias",
+]
+
+AUX_LOSS_TYPES = ("sequence", "batch", "global")
+
+
+def in_backward() -> bool:
+    """True while autograd executes a backward on this thread (an activation-checkpoint
+    recomputation runs then)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Attach an auxiliary loss to an activation: the forward returns ``output`` unchanged;
+    the backward passes ``output``'s gradient through and gives ``aux_loss`` the gradient
+    ``coeff`` (so ``coeff * aux_loss`` is optimised without being added to the main loss).
+
+    ``MoEAuxLossAutoScaler.apply(output, aux_loss, coeff)``.
+    """
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, coeff=1.0):
+        ctx.coeff = float(coeff)
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shape, dtype, device = ctx.aux_meta
+        return grad_output, torch.full(shape, ctx.coeff, dtype=dtype, device=device), None
+
+
+class _WeightedSum(torch.autograd.Function):
+    """``sum(p * w)`` with ``w`` a constant held on the node (see NOTE [Balance statistics and
+    recomputation]): a recomputed forward cannot change the weights backward uses."""
+
+    @staticmethod
+    def forward(ctx, p, w):
+        ctx.w = w
+        return (p * w).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.w, None
+
+
+def _probabilities(scores: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores as per-token distributions over the experts (sigmoid scores normalised, as the
+    DeepSeek-V3 report's sequence-wise balance loss does)."""
+    if score_func == "sigmoid":
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return scores
+
+
+def aux_loss(
+    moe: Any,
+    scores: torch.Tensor,
+    top_indices: torch.Tensor,
+    batch: int,
+    seq: int,
+    *,
+    record: bool,
+) -> torch.Tensor:
+    """The balance loss ``sum_i f_i * P_i`` of one forward (see ``MoE``'s docstring for the
+    three kinds). ``record``: this is a first forward (not a recomputation); accumulate step
+    statistics and reduce counts over the groups."""
+    e, k = scores.shape[-1], top_indices.shape[-1]
+    p = _probabilities(scores, moe.router.score_func)
+    with torch.no_grad():
+        hits = torch.zeros_like(scores).scatter_(-1, top_indices, 1.0)
+    kind = moe.aux_loss_type
+    if kind == "sequence":
+        group = moe.sequence_group
+        with torch.no_grad():
+            counts = hits.view(batch, seq, e).sum(1)  # (B, E)
+            local_len = torch.full((1,), float(seq), device=scores.device)
+            summed, size = _reduce(torch.cat([counts.reshape(-1), local_len]), group, record)
+            counts, full_len = summed[:-1].view(batch, e), summed[-1]
+            # f_b = counts_b E / (k S); the loss averages f_b . mean_b(p) over sequences, and
+            # each of the ``size`` ranks holding a part of them contributes its tokens' share
+            f = counts * (e / (k * full_len)) * size / (batch * full_len)
+        return _WeightedSum.apply(p.view(batch, seq, e).sum(1), f)
+    if kind == "batch":
+        with torch.no_grad():
+            f = hits.sum(0) * (e / (k * p.shape[0])) / p.shape[0]
+        return _WeightedSum.apply(p.sum(0), f)
+    # global: counts over the balance group, accumulated over the step's microbatches
+    with torch.no_grad():
+        local = torch.cat([hits.sum(0), torch.full((1,), float(p.shape[0]), device=p.device)])
+        summed, size = _reduce(local, moe._balance_group_or_none(), record)
+        tokens_now = summed[-1]
+        if record:
+            moe.global_counts.add_(summed)
+            acc = moe.global_counts
+        else:  # a recomputation: its value is not used for gradients (see the NOTE)
+            acc = summed
+        f = acc[:-1] * (e / (k * acc[-1])) * size / tokens_now
+    return _WeightedSum.apply(p.sum(0), f)
+
+
+def _reduce(t: torch.Tensor, group, record: bool) -> tuple[torch.Tensor, int]:
+    """``t`` summed over ``group`` (none: this process), and the group's size."""
+    if group is None:
+        return t, 1
+    size = hp.get_platform(t.device.type).get_world_size(group)
+    if record and size > 1:
+        t = t.clone()
+        hp.get_platform(t.device.type).all_reduce(t, "sum", group)
+    return t, size
+
+
+def capacity_keep(
+    top_scores: torch.Tensor, top_indices: torch.Tensor, num_experts: int, capacity_factor: float
+) -> torch.Tensor:
+    """``(T, k)`` bool: the copies each expert keeps when it takes at most ``ceil(factor * T *
+    k / E)`` of them, highest gate value first (ties: earlier token, then earlier choice). On
+    the device, no host sync."""
+    t, k = top_indices.shape
+    capacity = math.ceil(capacity_factor * t * k / num_experts)
+    flat_e = top_indices.reshape(-1)
+    by_score = torch.argsort(top_scores.detach().reshape(-1), descending=True, stable=True)
+    order = by_score[torch.argsort(flat_e[by_score], stable=True)]
+    counts = count_experts(flat_e, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(t * k, device=flat_e.device) - starts[flat_e[order]]
+    keep = torch.empty(t * k, dtype=torch.bool, device=flat_e.device)
+    keep[order] = rank < capacity
+    return keep.view(t, k)
+
+
+# -- auxiliary-loss-free balancing --------------------------------------------------------------
+
+
+def _moe_modules(model: nn.Module) -> Iterator[nn.Module]:
+    from ._moe import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            yield m
+
+
+_UNSET = object()
+
+
+def set_load_balance_group(model: nn.Module, group: Any = None, *, sequence_group: Any = _UNSET):
+    """Declare, for every ``MoE`` in ``model``, the process group over which balance statistics
+    are summed: the data-, context- and expert-parallel ranks, the ranks that see different
+    tokens (``None``: this process alone). ``aux_loss_type="global"`` reduces its counts over it
+    and needs this call (it also says that each step ends with ``update_expert_bias``, which
+    resets the accumulated counts). ``sequence_group``: the context-parallel group whose ranks
+    hold parts of the same sequences (``aux_loss_type="sequence"``)."""
+    for m in _moe_modules(model):
+        m.balance_group = group
+        if sequence_group is not _UNSET:
+            m.sequence_group = sequence_group
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, *, group: Any = None) -> None:
+    """Auxiliary-loss-free balancing, once per optimizer step, for every ``MoE`` of ``model``
+    with ``load_balance_coeff``: ``tokens_per_expert`` summed over ``group`` (counts of the whole
+    step, every microbatch), then ``delta = coeff * sign(mean(tokens) - tokens)``, ``delta -=
+    delta.mean()``, ``expert_bias += delta``; the counts are zeroed. It also starts a new step
+    for ``aux_loss_type="global"``. The counts of all layers go in one all-reduce."""
+    moes = list(_moe_modules(model))
+    biased = [m for m in moes if m.load_balance_coeff is not None]
+    if biased:
+        flat = torch.cat([m.tokens_per_expert.float() for m in biased])
+        if group is not None and hp.get_platform(flat.device.type).get_world_size(group) > 1:
+            hp.get_platform(flat.device.type).all_reduce(flat, "sum", group)
+        for m, counts in zip(biased, flat.split([m.num_experts for m in biased])):
+            delta = m.load_balance_coeff * torch.sign(counts.mean() - counts)
+            delta -= delta.mean()
+            m.expert_bias.add_(delta.to(m.expert_bias.dtype))
+    for m in moes:
+        m.tokens_per_expert.zero_()
+        m.global_counts.zero_()
+        m.dropped_tokens.zero_()
+        m.aux_loss_total.zero_()
+
+
+def register_expert_bias_update(
+    optimizer: torch.optim.Optimizer, model: nn.Module, *, group: Any = None
+):
+    """Run ``update_expert_bias(model, group=group)`` as a pre-step hook of ``optimizer`` (so
+    the counts cover every microbatch of the step) and declare ``group`` the load-balance group
+    (``set_load_balance_group``). Returns the hook's handle."""
+    moes = list(_moe_modules(model))
+    if not moes:
+        raise MoEConfigError(
+            f"register_expert_bias_update: {type(model).__name__} holds no MoE layer"
+        )
+    set_load_balance_group(model, group)
+
+    def hook(opt, args, kwargs):
+        update_expert_bias(model, group=group)
+
+    return optimizer.register_step_pre_hook(hook)

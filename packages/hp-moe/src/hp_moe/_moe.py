@@ -1,0 +1,191 @@
+"""The ``MoE`` layer: router, routed experts through a token dispatcher, shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hp_kernels.moe import count_experts
+
+from ._balance import (
+    _UNSET,
+    AUX_LOSS_TYPES,
+    MoEAuxLossAutoScaler,
+    aux_loss,
+    capacity_keep,
+    in_backward,
+)
+from ._experts import FeedForward, GroupedExperts
+from ._router import TokenChoiceTopKRouter, check_routing
+from .errors import DispatchError, MoEConfigError
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer (DeepSeek-V3, Qwen3-MoE, torchtitan's MoE).
+
+    Each token is routed to ``top_k`` of ``num_experts`` SwiGLU experts (``router``, a
+    ``TokenChoiceTopKRouter``); the expert outputs are multiplied by their gate values and summed,
+    then the shared experts' output (a ``FeedForward`` of ``hidden_dim * num_shared_experts``)
+    is added. Routing, dispatch, expert compute and combine are separate steps: the experts'
+    ``dispatcher`` (local until ``ExpertParallel`` installs an all-to-all one) returns a
+    ``DispatchContext`` per call, so nothing of a batch is kept on the module.
+
+    Load balancing:
+
+    - ``load_balance_coeff``: auxiliary-loss-free balancing (DeepSeek-V3). Buffers
+      ``expert_bias`` (persistent, added to the scores only to choose experts) and
+      ``tokens_per_expert`` (counts of the step); ``update_expert_bias`` (or the optimizer hook
+      of ``register_expert_bias_update``) moves the bias once per step.
+    - ``aux_loss_coeff`` > 0: a balance loss ``sum_i f_i P_i`` (``f_i``: the share of routed
+      copies that chose expert ``i``, times ``E``; ``P_i``: the mean probability of ``i``)
+      attached to the output with ``MoEAuxLossAutoScaler``. ``aux_loss_type``: ``"sequence"``
+      (per sequence, averaged; DeepSeek-V3's), ``"batch"`` (this forward's tokens) or
+      ``"global"`` (``f`` from the counts of every rank of the load-balance group and of every
+      microbatch of the step so far; see ``set_load_balance_group``), whose value and gradient
+      do not depend on how the batch is split over ranks.
+    - ``capacity_factor``: dropless when None; otherwise each expert keeps at most ``ceil(factor
+      * T * k / E)`` copies, highest gate value first, and the dropped copies are counted in
+      ``dropped_tokens``.
+
+    ``moe(x)``: ``(batch, seq, dim)`` -> ``(batch, seq, dim)``.
+
+    Example::
+
+        moe = MoE(64, 128, num_experts=8, top_k=2, num_shared_experts=1)
+        y = moe(torch.randn(2, 16, 64))
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        num_shared_experts: int = 0,
+        score_func: str = "softmax",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        load_balance_coeff: float | None = None,
+        aux_loss_coeff: float = 0.0,
+        aux_loss_type: str = "sequence",
+        capacity_factor: float | None = None,
+    ) -> None:
+        super().__init__()
+        check_routing(
+            num_experts, top_k, score_func, num_expert_groups, num_limited_groups, route_scale
+        )
+        _check_balance(
+            num_shared_experts, load_balance_coeff, aux_loss_coeff, aux_loss_type, capacity_factor
+        )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = TokenChoiceTopKRouter(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+            num_expert_groups=num_expert_groups,
+            num_limited_groups=num_limited_groups,
+        )
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_experts = (
+            FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts else None
+        )
+        self.load_balance_coeff = load_balance_coeff
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        self.aux_loss_type = aux_loss_type
+        self.capacity_factor = capacity_factor
+        if load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        else:
+            self.expert_bias = None
+        # step statistics (not checkpointed, reset by update_expert_bias): routed copies per
+        # expert, dropped copies, the sum of this step's balance losses, and the "global" loss's
+        # accumulated counts (E counts, then the token count)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss_total", torch.zeros(()), persistent=False)
+        self.register_buffer("global_counts", torch.zeros(num_experts + 1), persistent=False)
+        #: process group of the ranks that see different tokens (see set_load_balance_group)
+        self.balance_group = _UNSET
+        #: context-parallel group for aux_loss_type="sequence" (None: sequences are whole here)
+        self.sequence_group = None
+
+    def _balance_group_or_none(self):
+        if self.balance_group is _UNSET:
+            raise DispatchError(
+                'aux_loss_type="global" reduces its counts over the load-balance group and '
+                "accumulates them until the step ends: call hp_moe.register_expert_bias_update("
+                "optimizer, model, group=...) (or set_load_balance_group and update_expert_bias "
+                "after each step) before training"
+            )
+        return self.balance_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        if x.dim() != 3:
+            raise DispatchError(f"MoE takes (batch, seq, dim), got shape {tuple(x.shape)}")
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        top_scores, top_indices, scores = self.router(flat, self.expert_bias)
+        record = self.training and not in_backward()  # see NOTE [Balance statistics ...]
+        keep = None
+        if self.capacity_factor is not None:
+            keep = capacity_keep(top_scores, top_indices, self.num_experts, self.capacity_factor)
+        if record:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(count_experts(top_indices, self.num_experts))
+                if keep is not None:
+                    self.dropped_tokens.add_(keep.numel() - keep.sum())
+        aux = None
+        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = aux_loss(self, scores, top_indices, b, s, record=record)
+        dispatcher = self.experts.dispatcher
+        handle = dispatcher.dispatch_async(flat, top_scores, top_indices, keep=keep)
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        tokens, counts, ctx = handle.wait()
+        out = dispatcher.combine(self.experts(tokens, counts), ctx).to(x.dtype)
+        if shared is not None:
+            out = out + shared
+        if aux is not None:
+            if record:
+                self.aux_loss_total.add_(aux.detach())
+            out = MoEAuxLossAutoScaler.apply(out, aux, self.aux_loss_coeff)
+        return out.view(b, s, d)
+
+    def extra_repr(self) -> str:
+        extra = []
+        if self.load_balance_coeff is not None:
+            extra.append(f"load_balance_coeff={self.load_balance_coeff}")
+        if self.aux_loss_coeff:
+            extra.append(f"aux_loss_coeff={self.aux_loss_coeff}, aux={self.aux_loss_type!r}")
+        if self.capacity_factor is not None:
+            extra.append(f"capacity_factor={self.capacity_factor}")
+        return ", ".join([f"num_experts={self.num_experts}, top_k={self.top_k}", *extra])
+
+
+def _check_balance(shared, lb_coeff, aux_coeff, aux_type, capacity_factor) -> None:
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise MoEConfigError(f"num_shared_experts={shared!r} must be an int >= 0")
+    if lb_coeff is not None and (not isinstance(lb_coeff, (int, float)) or lb_coeff <= 0):
+        raise MoEConfigError(
+            f"load_balance_coeff={lb_coeff!r} must be a positive number (None turns the "
+            f"expert-bias balancing off)"
+        )
+    if not isinstance(aux_coeff, (int, float)) or aux_coeff < 0:
+        raise MoEConfigError(f"aux_loss_coeff={aux_coeff!r} must be a number >= 0 (0: no loss)")
+    if aux_type not in AUX_LOSS_TYPES:
+        raise MoEConfigError(f"aux_loss_type={aux_type!r} is not one of {AUX_LOSS_TYPES}")
+    if capacity_factor is not None and (
+        not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0
+    ):
+        raise MoEConfigError(
+            f"capacity_factor={capacity_factor!r} must be a positive number (None: dropless)"
+        )
