@@ -9,8 +9,10 @@ Both directions are gathers, forward and backward: a permutation is a bijection 
 ``inverse`` (copy -> row) turn every scatter-add into a gather followed by a sum over the
 ``k`` copies of a token. No atomics: results are bitwise reproducible on GPUs, where
 ``index_add`` is not. On CPU the order comes from an O(T k) counting sort in the compiled
-module; on CUDA from torch's stable sort. Copies left out with ``keep`` (capacity drops) are
-placed after every expert's block: they are in no expert's rows and contribute nothing.
+module (torch's stable sort where it was not built); on CUDA from torch's stable sort. Copies
+left out with ``keep`` (capacity drops) are placed after every expert's block: they are in no
+expert's rows and contribute nothing. ``swiglu`` is the experts' activation, fused with the
+rows' gate values (one Triton kernel each way on CUDA).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._ext import load
+from ._ext import is_built, load
 
 __all__ = [
     "Permutation",
@@ -27,6 +29,7 @@ __all__ = [
     "expert_order",
     "gather_rows",
     "permute_tokens",
+    "swiglu",
     "unpermute_tokens",
 ]
 
@@ -59,25 +62,30 @@ def count_experts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out.scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if flat.device.type == "cpu":
-        c = load()
-        flat = flat.contiguous()
-        order = torch.empty_like(flat)
-        counts = torch.empty(buckets, dtype=torch.int64)
-        bad = c.expert_order(
-            flat.data_ptr(), flat.numel(), buckets, order.data_ptr(), counts.data_ptr()
-        )
-        if bad >= 0:
-            raise ValueError(
-                f"expert ids must lie in [0, num_experts={buckets}); flat position {bad} holds "
-                f"{int(flat[bad])}"
-            )
-        return order, counts
+def _check_range(flat: torch.Tensor, buckets: int) -> None:
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= buckets):
         raise ValueError(f"expert ids must lie in [0, num_experts={buckets})")
-    order = torch.sort(flat, stable=True).indices
-    return order, count_experts(flat, buckets)
+
+
+def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order and counts of CPU ids: the compiled O(n) counting sort (range checked on
+    the way), or torch's stable sort where the module was not built."""
+    if not is_built():
+        _check_range(flat, buckets)
+        return torch.sort(flat, stable=True).indices, count_experts(flat, buckets)
+    c = load()
+    flat = flat.contiguous()
+    order = torch.empty_like(flat)
+    counts = torch.empty(buckets, dtype=torch.int64)
+    bad = c.expert_order(
+        flat.data_ptr(), flat.numel(), buckets, order.data_ptr(), counts.data_ptr()
+    )
+    if bad >= 0:
+        raise ValueError(
+            f"expert ids must lie in [0, num_experts={buckets}); flat position {bad} holds "
+            f"{int(flat[bad])}"
+        )
+    return order, counts
 
 
 def expert_order(
@@ -107,25 +115,24 @@ def expert_order(
     if num_experts <= 0:
         raise ValueError(f"num_experts={num_experts} must be positive")
     flat = expert_ids.reshape(-1).to(torch.int64)
-    if keep is None:
-        if not check and flat.device.type != "cpu":
-            order = torch.sort(flat, stable=True).indices
-            return order, count_experts(flat, num_experts)
-        return _counting_order(flat, num_experts)
-    if keep.shape != expert_ids.shape or keep.dtype != torch.bool:
-        raise ValueError(
-            f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, got "
-            f"{keep.dtype} {tuple(keep.shape)}"
-        )
-    if check and flat.device.type != "cpu" and flat.numel():
-        if int(flat.min()) < 0 or int(flat.max()) >= num_experts:
-            raise ValueError(f"expert ids must lie in [0, num_experts={num_experts})")
-    flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: one bucket past the end
-    if flat.device.type == "cpu":
-        order, counts = _counting_order(flat, num_experts + 1)
+    on_cpu = flat.device.type == "cpu"
+    if check and not on_cpu:
+        _check_range(flat, num_experts)
+    buckets = num_experts
+    if keep is not None:
+        if keep.shape != expert_ids.shape or keep.dtype != torch.bool:
+            raise ValueError(
+                f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, "
+                f"got {keep.dtype} {tuple(keep.shape)}"
+            )
+        if on_cpu:
+            _check_range(flat, num_experts)  # before the dropped ones take the extra bucket
+        flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: one bucket past the end
+        buckets = num_experts + 1
+    if on_cpu:
+        order, counts = _counting_order(flat, buckets)
     else:
-        order = torch.sort(flat, stable=True).indices
-        counts = count_experts(flat, num_experts + 1)
+        order, counts = torch.sort(flat, stable=True).indices, count_experts(flat, buckets)
     return order, counts[:num_experts]
 
 
@@ -138,31 +145,40 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 class _GatherRows(torch.autograd.Function):
     """``src.index_select(0, order // k)`` where every row of ``src`` is taken exactly ``k``
     times; the backward sums each row's ``k`` copies through ``inverse`` (a gather, no
-    atomics)."""
+    atomics), copies not in ``keep`` counting zero."""
 
     @staticmethod
-    def forward(ctx, src, order, inverse, k):
-        ctx.save_for_backward(inverse)
+    def forward(ctx, src, order, inverse, k, keep):
+        ctx.save_for_backward(inverse, keep)
         ctx.k, ctx.rows = k, src.shape[0]
         index = order if k == 1 else torch.div(order, k, rounding_mode="floor")
         return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
+        inverse, keep = ctx.saved_tensors
         g = grad.index_select(0, inverse)
+        if keep is not None:  # rows of dropped copies may hold anything: never add them
+            g = g.masked_fill(~keep.reshape(-1, *([1] * (g.dim() - 1))), 0)
         if ctx.k > 1:
             g = g.view(ctx.rows, ctx.k, *grad.shape[1:]).sum(1)
-        return g, None, None, None
+        return g, None, None, None, None
 
 
 def gather_rows(
-    src: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int = 1
+    src: torch.Tensor,
+    order: torch.Tensor,
+    inverse: torch.Tensor,
+    k: int = 1,
+    *,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``order // k`` of ``src`` (``src.shape[0] * k`` of them), differentiable with a
     gather-only backward. ``inverse`` is ``order``'s inverse permutation (``inverse[order[r]] =
-    r``). With ``k = 1`` it applies a permutation of the rows."""
-    return _GatherRows.apply(src, order, inverse, k)
+    r``). With ``k = 1`` it applies a permutation of the rows. ``keep`` (one flag per output
+    row's source copy, in copy order): the gradients of rows whose copy is not kept are dropped
+    (those rows went to no expert, and their gradient is unspecified)."""
+    return _GatherRows.apply(src, order, inverse, k, keep)
 
 
 def _row_gates(probs, order, dtype):
@@ -205,6 +221,28 @@ class _Combine(torch.autograd.Function):
         return grad_permuted, grad_probs, None, None, None
 
 
+class _SumCopies(torch.autograd.Function):
+    """``out[t] = sum_j permuted[inverse[t * k + j]]`` (copies not in ``keep`` count zero); the
+    backward is one gather (no multiply: the weights were applied before)."""
+
+    @staticmethod
+    def forward(ctx, permuted, order, inverse, keep, t, k):
+        rows = permuted.index_select(0, inverse).view(t, k, permuted.shape[1])
+        if keep is not None:
+            rows = rows.masked_fill(~keep.view(t, k, 1), 0)
+        ctx.save_for_backward(order, keep)
+        ctx.k = k
+        return rows.sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        order, keep = ctx.saved_tensors
+        g = grad_out.index_select(0, torch.div(order, ctx.k, rounding_mode="floor"))
+        if keep is not None:
+            g = g.masked_fill(~keep.reshape(-1).index_select(0, order).unsqueeze(1), 0)
+        return g, None, None, None, None, None
+
+
 def permute_tokens(
     tokens: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -243,7 +281,7 @@ def permute_tokens(
     except ValueError as e:
         raise ValueError(f"permute_tokens: {e}") from None
     inverse = _inverse(order)
-    permuted = gather_rows(tokens, order, inverse, k)
+    permuted = gather_rows(tokens, order, inverse, k, keep=keep)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     return Permutation(permuted, order, counts, offsets, inverse)
@@ -275,13 +313,18 @@ def unpermute_tokens(
             f"unpermute_tokens: permuted has shape {tuple(permuted.shape)}; it needs "
             f"({order.numel()}, H), one row per entry of order"
         )
+    if inverse is None:
+        inverse = _inverse(order)
     if probs is None:
         t = order.numel() if num_tokens is None else int(num_tokens)
         if t <= 0 or order.numel() % t:
             raise ValueError(
                 f"unpermute_tokens: num_tokens={t} does not divide {order.numel()} rows"
             )
-        probs = torch.ones(t, order.numel() // t, dtype=permuted.dtype, device=permuted.device)
+        k = order.numel() // t
+        if keep is not None:
+            keep = keep.reshape(t, k)
+        return _SumCopies.apply(permuted, order, inverse, keep, t, k)
     if probs.dim() == 1:
         probs = probs.unsqueeze(1)
     if probs.dim() != 2 or probs.numel() != order.numel():
@@ -291,6 +334,92 @@ def unpermute_tokens(
         )
     if keep is not None:
         keep = keep.reshape(probs.shape)
-    if inverse is None:
-        inverse = _inverse(order)
     return _Combine.apply(permuted, probs, order, inverse, keep)
+
+
+# -- the expert activation -------------------------------------------------------------------
+
+
+def _triton_ops():
+    """The Triton kernels, or None where Triton is not installed (imported once)."""
+    global _TRITON
+    if _TRITON is _UNLOADED:
+        try:
+            from . import _triton_moe
+        except ImportError:  # no Triton: the torch composite serves
+            _TRITON = None
+        else:
+            _TRITON = _triton_moe
+    return _TRITON
+
+
+_UNLOADED = object()
+_TRITON = _UNLOADED
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # float32, or float64 for float64
+
+
+def _swiglu_torch(a, b, w):
+    acc = _acc(a)
+    h = torch.nn.functional.silu(a.to(acc)) * b.to(acc)
+    if w is not None:
+        h = h * w.to(acc).unsqueeze(1)
+    return h.to(a.dtype)
+
+
+def _swiglu_backward_torch(dh, a, b, w):
+    acc = _acc(a)
+    af, bf, g = a.to(acc), b.to(acc), dh.to(acc)
+    sig = torch.sigmoid(af)
+    silu = af * sig
+    dw = (g * silu * bf).sum(-1) if w is not None else None
+    if w is not None:
+        g = g * w.to(acc).unsqueeze(1)
+    da = g * bf * (sig + silu * (1 - sig))
+    return da.to(a.dtype), (g * silu).to(b.dtype), dw
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(a) * b * w[:, None]`` saving only ``a``, ``b`` (and ``w``): the backward recomputes
+    the sigmoid instead of keeping ``silu(a)``, one activation-sized tensor less per layer."""
+
+    @staticmethod
+    def forward(ctx, a, b, w, fused):
+        ctx.fused = fused
+        ctx.save_for_backward(a, b, w)
+        return fused.swiglu_forward(a, b, w) if fused is not None else _swiglu_torch(a, b, w)
+
+    @staticmethod
+    def backward(ctx, dh):
+        a, b, w = ctx.saved_tensors
+        dh = dh.contiguous()
+        if ctx.fused is not None:
+            da, db, dw = ctx.fused.swiglu_backward(dh, a, b, w)
+        else:
+            da, db, dw = _swiglu_backward_torch(dh, a, b, w)
+        if dw is not None and w is not None:
+            dw = dw.to(w.dtype)
+        return da, db, dw, None
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, row_weights: torch.Tensor | None = None):
+    """``silu(a) * b``, each row multiplied by ``row_weights[row]`` when given; differentiable
+    in all three. ``a``, ``b``: ``(R, H)`` of one dtype; ``row_weights``: ``(R,)`` (a MoE's gate
+    values of the rows: weighting the hidden activations equals weighting the expert outputs,
+    the down projection being linear). On CUDA with Triton one fused kernel each way; elsewhere
+    torch ops. Arithmetic in float32; the result in ``a``'s dtype."""
+    if a.shape != b.shape or a.dim() != 2:
+        raise ValueError(f"swiglu: a {tuple(a.shape)} and b {tuple(b.shape)} must be one (R, H)")
+    if row_weights is not None and row_weights.shape != (a.shape[0],):
+        raise ValueError(
+            f"swiglu: row_weights has shape {tuple(row_weights.shape)}; it needs ({a.shape[0]},)"
+        )
+    fused = None
+    if a.is_cuda and a.dtype == b.dtype:
+        fused = _triton_ops()
+        a, b = a.contiguous(), b.contiguous()
+        if row_weights is not None:
+            row_weights = row_weights.contiguous()
+    return _SwiGLU.apply(a, b, row_weights, fused)

@@ -69,6 +69,8 @@ class DispatchContext:
             for rows that are not sent).
         overflow: sync-free path: copies dropped because a block exceeded ``rows_per_peer``
             (a device tensor; 0 on the other paths).
+        row_gates: with ``gates_to_experts``, the gate of each row ``dispatch`` returned (the
+            experts multiply it in and ``combine`` sums the copies unweighted); else None.
         dispatcher: the dispatcher that made it (``combine`` checks it is given back to it).
     """
 
@@ -85,6 +87,7 @@ class DispatchContext:
     regroup_inverse: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     overflow: Any = 0
+    row_gates: torch.Tensor | None = None
     dispatcher: Any = field(default=None, repr=False)
 
 
@@ -111,6 +114,10 @@ class CombineHandle(DispatchHandle):
     output."""
 
 
+def _done(value) -> DispatchHandle:
+    return DispatchHandle(lambda: value)
+
+
 class TokenDispatcher:
     """Base of the dispatchers: ``dispatch``/``combine`` and their ``_async`` forms.
 
@@ -126,10 +133,32 @@ class TokenDispatcher:
         top_indices: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
-    ) -> DispatchHandle:  # pragma: no cover - overridden
+        gates_to_experts: bool = False,
+    ) -> DispatchHandle:
+        """``dispatch`` with its transfers possibly still in flight: the returned handle's
+        ``wait()`` gives what ``dispatch`` returns."""
+        _check_inputs(x, top_scores, top_indices, keep)
+        perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
+        gates = None
+        if gates_to_experts:  # the gate of each permuted row (a gather both ways)
+            gates = kmoe.gather_rows(top_scores.reshape(-1, 1), perm.order, perm.inverse)
+        ctx = DispatchContext(
+            num_tokens=x.shape[0],
+            top_k=top_indices.shape[1],
+            order=perm.order,
+            inverse=perm.inverse,
+            gates=top_scores,
+            keep=keep,
+            num_tokens_per_expert=perm.counts,
+            dispatcher=self,
+        )
+        return self._send(perm.tokens, gates, ctx)
+
+    def _send(self, rows, gates, ctx) -> DispatchHandle:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def combine_async(self, y: torch.Tensor, ctx: DispatchContext) -> CombineHandle:
+        """``combine`` with its transfer possibly still in flight."""
         raise NotImplementedError  # pragma: no cover - overridden
 
     def dispatch(
@@ -139,6 +168,7 @@ class TokenDispatcher:
         top_indices: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
+        gates_to_experts: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchContext]:
         """Route ``x`` ``(T, dim)``'s copies to their experts.
 
@@ -147,16 +177,23 @@ class TokenDispatcher:
             top_scores: ``(T, k)`` gate values (multiplied in by ``combine``).
             top_indices: ``(T, k)`` global expert ids.
             keep: ``(T, k)`` bool, copies to send (None: all; capacity drops otherwise).
+            gates_to_experts: send each row's gate along (``ctx.row_gates``) for the experts
+                to multiply into their hidden activations (``experts(tokens, counts,
+                row_weights=ctx.row_gates)``: the same product, the down projection being
+                linear, and fused into the activation); ``combine`` then sums unweighted.
 
         Returns:
             ``tokens`` (rows grouped by this rank's experts), ``num_tokens_per_expert`` (one
             count per local expert, on the device), and the context ``combine`` needs.
         """
-        return self.dispatch_async(x, top_scores, top_indices, keep=keep).wait()
+        return self.dispatch_async(
+            x, top_scores, top_indices, keep=keep, gates_to_experts=gates_to_experts
+        ).wait()
 
     def combine(self, y: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         """Expert outputs ``y`` (rows as ``dispatch`` returned them) back to ``(T, dim)``: each
-        token's copies returned and summed, weighted by their gates."""
+        token's copies returned and summed, weighted by their gates (unless the dispatch sent
+        the gates to the experts)."""
         return self.combine_async(y, ctx).wait()
 
     def _check_ctx(self, ctx: DispatchContext) -> None:
@@ -165,6 +202,15 @@ class TokenDispatcher:
                 "combine got a DispatchContext made by another dispatcher: give each combine "
                 "the context its own dispatch returned"
             )
+
+    @staticmethod
+    def _unpermute(rows: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+        """The local permutation undone: each token's copies summed, weighted by the gates
+        unless the experts applied them."""
+        gates = ctx.gates if ctx.row_gates is None else None
+        return kmoe.unpermute_tokens(
+            rows, ctx.order, gates, num_tokens=ctx.num_tokens, inverse=ctx.inverse, keep=ctx.keep
+        )
 
     def __deepcopy__(self, memo):
         return self  # immutable configuration holding process groups: shared, not copied
@@ -194,26 +240,14 @@ class LocalDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int) -> None:
         self.num_experts = int(num_experts)
 
-    def dispatch_async(self, x, top_scores, top_indices, *, keep=None):
-        _check_inputs(x, top_scores, top_indices, keep)
-        perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
-        ctx = DispatchContext(
-            num_tokens=x.shape[0],
-            top_k=top_indices.shape[1],
-            order=perm.order,
-            inverse=perm.inverse,
-            gates=top_scores,
-            keep=keep,
-            num_tokens_per_expert=perm.counts,
-            dispatcher=self,
-        )
-        result = (perm.tokens, perm.counts, ctx)
-        return DispatchHandle(lambda: result)
+    def _send(self, rows, gates, ctx):
+        if gates is not None:
+            ctx.row_gates = gates.view(-1)
+        return _done((rows, ctx.num_tokens_per_expert, ctx))
 
     def combine_async(self, y, ctx):
         self._check_ctx(ctx)
-        out = kmoe.unpermute_tokens(y, ctx.order, ctx.gates, inverse=ctx.inverse, keep=ctx.keep)
-        return CombineHandle(lambda: out)
+        return _done(self._unpermute(y, ctx))
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts})"
@@ -284,6 +318,12 @@ class _OneSidedExchange:
         return None
 
 
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 class AllToAllDispatcher(TokenDispatcher):
     """Expert parallelism over a 1-D mesh: tokens go to the ranks that own their experts.
 
@@ -331,63 +371,57 @@ class AllToAllDispatcher(TokenDispatcher):
         extra = f", sync_free=True, rows_per_peer={self.rows_per_peer}" if self.sync_free else ""
         return f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep}{extra})"
 
-    # -- the exact path -------------------------------------------------------------------
-    def dispatch_async(self, x, top_scores, top_indices, *, keep=None):
-        _check_inputs(x, top_scores, top_indices, keep)
-        if self.sync_free:
-            return self._dispatch_padded(x, top_scores, top_indices, keep)
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's ``(ep, E_l)`` counts to the peers; theirs for this rank's experts, as
+        ``(source, local expert)``."""
         ep, el = self.ep, self.local_experts
-        t, k = top_indices.shape
-        perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
-        counts = perm.counts
-        recv_counts = torch.empty_like(counts)
-        work = self._exchange(recv_counts, counts, [el] * ep, [el] * ep, False)
+        out = torch.empty(ep * el, dtype=counts.dtype, device=counts.device)
+        work = self._exchange(out, counts.reshape(-1).contiguous(), [el] * ep, [el] * ep, False)
         if work is not None:
             work.wait()
+        return out.view(ep, el)
+
+    def _send(self, rows, gates, ctx):
+        if self.sync_free:
+            return self._send_padded(rows, gates, ctx)
+        ep, el = self.ep, self.local_experts
+        counts = ctx.num_tokens_per_expert.view(ep, el)  # by destination rank, until regrouped
+        by_source = self._exchange_counts(counts)
         # NOTE [Host syncs]: the one device-to-host copy of this layer's dispatch
-        splits = torch.stack([counts.view(ep, el).sum(1), recv_counts.view(ep, el).sum(1)])
+        splits = torch.stack([counts.sum(1), by_source.sum(1)])
         in_splits, out_splits = (list(s) for s in splits.tolist())
         sent = sum(in_splits)
-        send = perm.tokens if sent == t * k else perm.tokens[:sent]
+        if sent < rows.shape[0]:  # copies dropped over capacity are last: not sent
+            rows = rows[:sent]
+            gates = None if gates is None else gates[:sent]
         pending: list = []
-        received = _AllToAll.apply(send, out_splits, in_splits, self._exchange, pending)
+        received = _AllToAll.apply(rows, out_splits, in_splits, self._exchange, pending)
+        if gates is not None:
+            gates = _AllToAll.apply(gates, out_splits, in_splits, self._exchange, pending)
+        ctx.input_splits, ctx.output_splits = in_splits, out_splits
 
         def finish():
             _wait_all(pending)
-            tokens, per_expert, regroup, inverse = self._regroup(
-                received, recv_counts.view(ep, el), sum(out_splits)
-            )
-            ctx = DispatchContext(
-                num_tokens=t,
-                top_k=k,
-                order=perm.order,
-                inverse=perm.inverse,
-                gates=top_scores,
-                keep=keep,
-                num_tokens_per_expert=per_expert,
-                input_splits=in_splits,
-                output_splits=out_splits,
-                regroup=regroup,
-                regroup_inverse=inverse,
-                dispatcher=self,
-            )
-            return tokens, per_expert, ctx
+            tokens, regroup = received, None
+            if el > 1 and ep > 1:  # (source, expert) blocks -> grouped by local expert
+                ids = torch.arange(el, device=rows.device).repeat(ep)
+                ids = torch.repeat_interleave(
+                    ids, by_source.reshape(-1), output_size=sum(out_splits)
+                )
+                regroup, _ = kmoe.expert_order(ids, el, check=False)
+                ctx.regroup, ctx.regroup_inverse = regroup, _inverse(regroup)
+                tokens = kmoe.gather_rows(received, regroup, ctx.regroup_inverse)
+            if gates is not None:
+                g = (
+                    gates
+                    if regroup is None
+                    else kmoe.gather_rows(gates, regroup, ctx.regroup_inverse)
+                )
+                ctx.row_gates = g.view(-1)
+            ctx.num_tokens_per_expert = by_source.sum(0)
+            return tokens, ctx.num_tokens_per_expert, ctx
 
-        return DispatchHandle(finish, (send,))
-
-    def _regroup(self, received, counts_by_source, total):
-        """Rows in ``(source, local expert)`` blocks -> grouped by local expert (sources in
-        order within an expert)."""
-        per_expert = counts_by_source.sum(0)
-        if self.local_experts == 1 or self.ep == 1:
-            return received, per_expert, None, None
-        el = self.local_experts
-        ids = torch.arange(el, device=received.device).repeat(self.ep)
-        ids = torch.repeat_interleave(ids, counts_by_source.reshape(-1), output_size=total)
-        order, _ = kmoe.expert_order(ids, el, check=False)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return kmoe.gather_rows(received, order, inverse), per_expert, order, inverse
+        return DispatchHandle(finish, (rows, gates))
 
     def combine_async(self, y, ctx):
         self._check_ctx(ctx)
@@ -404,95 +438,73 @@ class AllToAllDispatcher(TokenDispatcher):
             missing = ctx.num_tokens * ctx.top_k - rows.shape[0]
             if missing:  # copies dropped over capacity were not sent: zero rows stand in
                 rows = torch.cat([rows, rows.new_zeros((missing, rows.shape[1]))])
-            return kmoe.unpermute_tokens(
-                rows, ctx.order, ctx.gates, inverse=ctx.inverse, keep=ctx.keep
-            )
+            return self._unpermute(rows, ctx)
 
         return CombineHandle(finish, (y,))
 
     # -- the sync-free path ----------------------------------------------------------------
-    def _dispatch_padded(self, x, top_scores, top_indices, keep):
+    def _send_padded(self, rows, gates, ctx):
         ep, el = self.ep, self.local_experts
-        t, k = top_indices.shape
-        n = t * k
+        n = rows.shape[0]
         cap = self.rows_per_peer or n
-        dev = x.device
-        perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
-        by_rank = perm.counts.view(ep, el)
+        dev = rows.device
+        by_rank = ctx.num_tokens_per_expert.view(ep, el)
         # rows sent per (destination, expert): a block is cut at ``cap`` rows, experts in order
         start = torch.cumsum(by_rank, 1) - by_rank
         sent = (cap - start).clamp(min=0).minimum(by_rank)
         # each permuted row's destination and position in its destination's block
         rank_rows = by_rank.sum(1)
-        rank_start = torch.cumsum(rank_rows, 0) - rank_rows
+        rank_end = torch.cumsum(rank_rows, 0)
         row = torch.arange(n, device=dev)
-        kept_rows = rank_rows.sum()
-        dest = torch.searchsorted(torch.cumsum(rank_rows, 0), row, right=True).clamp(max=ep - 1)
-        pos = row - rank_start[dest]
-        valid = (row < kept_rows) & (pos < cap)
+        dest = torch.searchsorted(rank_end, row, right=True).clamp(max=ep - 1)
+        pos = row - (rank_end - rank_rows)[dest]
+        valid = (row < rank_end[-1]) & (pos < cap)
         slots = torch.where(valid, dest * cap + pos, ep * cap)  # ep * cap: the dump slot
-        send = x.new_zeros((ep * cap + 1, x.shape[1])).index_copy(0, slots, perm.tokens)
-        send = send[: ep * cap]
-        recv_sent = torch.empty(ep * el, dtype=sent.dtype, device=dev)
-        work = self._exchange(recv_sent, sent.reshape(-1), [el] * ep, [el] * ep, False)
-        if work is not None:
-            work.wait()
-        recv_sent = recv_sent.view(ep, el)
+
+        def padded(x):  # rows into their slots of the (ep * cap) send buffer
+            buf = x.new_zeros((ep * cap + 1, *x.shape[1:])).index_copy(0, slots, x)
+            return buf[: ep * cap]
+
+        by_source = self._exchange_counts(sent)
         pending: list = []
         even = [cap] * ep
-        received = _AllToAll.apply(send, even, even, self._exchange, pending)
-        overflow = (by_rank - sent).sum()
+        received = _AllToAll.apply(padded(rows), even, even, self._exchange, pending)
+        if gates is not None:
+            gates = _AllToAll.apply(padded(gates), even, even, self._exchange, pending)
+        ctx.slots, ctx.overflow = slots, (by_rank - sent).sum()
+        valid_copies = valid.index_select(0, ctx.inverse).view(ctx.num_tokens, ctx.top_k)
+        ctx.keep = valid_copies if ctx.keep is None else ctx.keep & valid_copies
 
         def finish():
             _wait_all(pending)
-            # local expert of each received row; el marks padding
-            ends = torch.cumsum(recv_sent, 1)  # (ep, el)
+            # each received row's local expert; el marks padding (placed after every expert)
+            ends = torch.cumsum(by_source, 1)
             i = torch.arange(cap, device=dev).expand(ep, cap).contiguous()
             ids = torch.searchsorted(ends, i, right=True).reshape(-1)
             real = ids < el
             order, _ = kmoe.expert_order(ids.clamp(max=el - 1), el, keep=real, check=False)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=dev)
-            tokens = kmoe.gather_rows(received, order, inverse)
-            per_expert = recv_sent.sum(0)
-            ctx = DispatchContext(
-                num_tokens=t,
-                top_k=k,
-                order=perm.order,
-                inverse=perm.inverse,
-                gates=top_scores,
-                keep=_and(keep, valid.index_select(0, perm.inverse).view(t, k)),
-                num_tokens_per_expert=per_expert,
-                regroup=order,
-                regroup_inverse=inverse,
-                slots=slots,
-                overflow=overflow,
-                dispatcher=self,
-            )
-            return tokens, per_expert, ctx
+            ctx.regroup, ctx.regroup_inverse = order, _inverse(order)
+            tokens = kmoe.gather_rows(received, order, ctx.regroup_inverse)
+            if gates is not None:
+                ctx.row_gates = kmoe.gather_rows(gates, order, ctx.regroup_inverse).view(-1)
+            ctx.num_tokens_per_expert = by_source.sum(0)
+            return tokens, ctx.num_tokens_per_expert, ctx
 
-        return DispatchHandle(finish, (send,))
+        return DispatchHandle(finish, (rows, gates))
 
     def _combine_padded(self, y, ctx):
-        cap_rows = y.shape[0]
         y = kmoe.gather_rows(y, ctx.regroup_inverse, ctx.regroup)
         pending: list = []
-        even = [cap_rows // self.ep] * self.ep
+        even = [y.shape[0] // self.ep] * self.ep
         back = _AllToAll.apply(y, even, even, self._exchange, pending)
 
         def finish():
             _wait_all(pending)
             rows = torch.cat([back, back.new_zeros((1, back.shape[1]))])
             rows = rows.index_select(0, ctx.slots)  # unsent rows read the zero dump row
-            return kmoe.unpermute_tokens(
-                rows, ctx.order, ctx.gates, inverse=ctx.inverse, keep=ctx.keep
-            )
+            return self._unpermute(rows, ctx)
 
         return CombineHandle(finish, (y,))
-
-
-def _and(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else a & b
 
 
 class OneSidedDispatcher(AllToAllDispatcher):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import hp_dtensor as hp
 from hp_dtensor import DTensor, Shard
+from hp_kernels.moe import swiglu
 
 from ._dispatch import LocalDispatcher, TokenDispatcher
 from .errors import MoEConfigError
@@ -173,9 +174,17 @@ class GroupedExperts(nn.Module):
                 return mesh.get_group(d), hp.get_platform(mesh.device_type)
         return None
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        *,
+        row_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``x`` (R, dim) grouped by local expert, ``num_tokens_per_expert`` (local experts,)
-        -> (R, dim)."""
+        -> (R, dim). ``row_weights`` (R,): multiply each row's hidden activation (the same as
+        its output: ``w2`` is linear), fused into the SwiGLU (``ctx.row_gates`` of a dispatch
+        with ``gates_to_experts``)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if num_tokens_per_expert.shape != (w1.shape[0],):
             raise MoEConfigError(
@@ -183,12 +192,14 @@ class GroupedExperts(nn.Module):
                 f"rank holds {w1.shape[0]} experts: give one count per local expert"
             )
         tp = self._tensor_parallel_group()
-        if tp is not None:
+        if tp is not None:  # the same rows on every tp rank: their gradients are partial sums
             x = _CopyToGroup.apply(x, *tp)
+            if row_weights is not None:
+                row_weights = _CopyToGroup.apply(row_weights, *tp)
         dtype = _compute_dtype(x, w1)
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         offsets = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-        h = F.silu(grouped_mm(x, w1, offsets)) * grouped_mm(x, w3, offsets)
+        h = swiglu(grouped_mm(x, w1, offsets), grouped_mm(x, w3, offsets), row_weights)
         out = grouped_mm(h, w2, offsets)
         if tp is not None:
             out = _ReduceFromGroup.apply(out, *tp)

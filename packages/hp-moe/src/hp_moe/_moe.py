@@ -148,10 +148,14 @@ class MoE(nn.Module):
         if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = aux_loss(self, scores, top_indices, b, s, record=record)
         dispatcher = self.experts.dispatcher
-        handle = dispatcher.dispatch_async(flat, top_scores, top_indices, keep=keep)
+        # the gates travel with the rows and are multiplied into the experts' activations
+        handle = dispatcher.dispatch_async(
+            flat, top_scores, top_indices, keep=keep, gates_to_experts=True
+        )
         shared = self.shared_experts(flat) if self.shared_experts is not None else None
         tokens, counts, ctx = handle.wait()
-        out = dispatcher.combine(self.experts(tokens, counts), ctx).to(x.dtype)
+        y = self.experts(tokens, counts, row_weights=ctx.row_gates)
+        out = dispatcher.combine(y, ctx).to(x.dtype)
         if shared is not None:
             out = out + shared
         if aux is not None:
