@@ -20,7 +20,9 @@ import torch.nn as nn
 import hp_dtensor as hp
 from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
 
-from ._group import ParamGroup, _tp_dp_grid, reduce_now
+from ._group import ParamGroup
+from ._param import tp_dp_grid
+from ._state import reduce_now
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -293,7 +295,7 @@ def fully_shard(
                         "and a 1-D dp mesh (mesh['tp'], mesh['dp'])"
                     )
                 try:
-                    _tp_dp_grid(p.device_mesh, mesh)
+                    tp_dp_grid(p.device_mesh, mesh)
                 except ValueError as e:
                     raise FSDPError(f"parameter {full_name!r}: {e}") from None
             seen[id(p)] = full_name
@@ -336,9 +338,9 @@ def fully_shard(
         dims,
         aliases,
     )
-    for sub in module.modules():  # groups inside this one are no longer roots
+    for sub in module.modules():  # groups inside this one join its root context
         if sub is not module and isinstance(sub, HSDPModule):
-            sub._hp_fsdp.is_root = False
+            sub._hp_fsdp.adopt_into(group)
     module.__class__ = _hsdp_class(type(module))
     module._hp_fsdp = group
     group.register_hooks()

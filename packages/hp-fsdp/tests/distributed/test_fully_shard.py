@@ -198,7 +198,7 @@ def _all_gather_ordering():
     stream; on GPUs the others run ahead of compute). The first all-gather of every forward
     pass of a root must wait: the optimizer (or a load) may have written the sharded
     parameters since, even when another model's forward ran in between."""
-    import hp_fsdp._group as grp
+    from hp_fsdp._state import FSDPContext
 
     mesh = hp.init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
@@ -208,13 +208,13 @@ def _all_gather_ordering():
     opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
     ids, _ = _batch(0, 2)
     seen = []
-    real = grp._side_stream
+    real = FSDPContext.side_stream
 
-    def spy(dev, kind, follow=True):
+    def spy(self, dev, kind, follow=True):
         seen.append((kind, follow))
-        return real(dev, kind, follow)
+        return real(self, dev, kind, follow)
 
-    grp._side_stream = spy
+    FSDPContext.side_stream = spy
     try:
         a(ids).sum().backward()
         b(ids).sum()  # another model's forward (grad mode, no backward) before the step
@@ -222,7 +222,7 @@ def _all_gather_ordering():
         seen.clear()
         a(ids).sum().backward()
     finally:
-        grp._side_stream = real
+        FSDPContext.side_stream = real
     return [f for k, f in seen if k == "all_gather"]
 
 

@@ -4,7 +4,7 @@ checked on stand-in meshes."""
 
 import pytest
 
-from hp_fsdp._group import _tp_dp_grid
+from hp_fsdp._param import tp_dp_grid as _tp_dp_grid
 
 
 class _Root:

@@ -140,8 +140,9 @@ class TokenDispatcher:
         _check_inputs(x, top_scores, top_indices, keep)
         perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
         gates = None
-        if gates_to_experts:  # the gate of each permuted row (a gather both ways)
-            gates = kmoe.gather_rows(top_scores.reshape(-1, 1), perm.order, perm.inverse)
+        if gates_to_experts:  # the gate of each permuted row (a gather both ways); rows of
+            # dropped copies reach no expert, so their (unspecified) gradients are dropped
+            gates = kmoe.gather_rows(top_scores.reshape(-1, 1), perm.order, perm.inverse, keep=keep)
         ctx = DispatchContext(
             num_tokens=x.shape[0],
             top_k=top_indices.shape[1],

@@ -159,3 +159,47 @@ def _errors():
 def test_errors_before_any_collective(pool):
     res = pool.run(_errors)
     assert res[0] == res[1] and len(res[0]) == 5
+
+
+def _ep_capacity(style_kwargs):
+    """Capacity drops under expert parallelism: each rank drops from its own tokens (capacity
+    from its local count), so the reference runs each rank's slice as its own forward. Output,
+    token gradients and every parameter gradient (a summed loss) match."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    rank = mesh.get_local_rank()
+    torch.manual_seed(3)
+    kw = dict(num_shared_experts=1, score_func="sigmoid", capacity_factor=0.6)
+    ref = hp_moe.MoE(16, 8, 4, 2, **kw)
+    moe = hp_moe.MoE(16, 8, 4, 2, **kw)
+    moe.load_state_dict(ref.state_dict())
+    parallelize_module(moe, mesh, {"experts": hp_moe.ExpertParallel(**style_kwargs)})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 9, 16, generator=g)
+    up = torch.randn(2, 2, 9, 16, generator=g)
+    xs = x[rank].clone().requires_grad_(True)
+    out = moe(xs)
+    (out * up[rank]).sum().backward()
+    xr = x.clone().requires_grad_(True)
+    refs = [ref(xr[r]) for r in range(2)]
+    sum((o * u).sum() for o, u in zip(refs, up)).backward()
+    torch.testing.assert_close(out, refs[rank].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs.grad, xr.grad[rank], rtol=1e-5, atol=1e-5)
+    assert int(moe.dropped_tokens) > 0
+    platform = hp.get_platform("cpu")
+    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+        if isinstance(p, hp.DTensor):  # expert shards: this rank's experts' gradients
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5)
+        else:  # replicated: each rank saw its own tokens
+            g = p.grad.clone()
+            platform.all_reduce(g, "sum", mesh.get_group())
+            torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    return True
+
+
+@pytest.mark.parametrize(
+    "style",
+    [{}, {"sync_free": True}, {"dispatcher": "one_sided"}],
+    ids=["a2a", "sync_free", "one_sided"],
+)
+def test_ep2_capacity_drops(pool, style):
+    assert pool.run(_ep_capacity, style) == [True, True]

@@ -207,6 +207,62 @@ def test_capacity_factor_in_the_layer_drops_and_counts():
     assert torch.isfinite(x.grad).all()
 
 
+class _PoisonedGroupedMM(torch.autograd.Function):
+    """grouped_mm whose rows outside every expert's block are NaN, forward and backward (the
+    kernels leave them unspecified): nothing may read them."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        end = int(offsets[-1]) if offsets.numel() else 0
+        out = loop_grouped(x, w, offsets)
+        out[end:] = float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, offsets = ctx.saved_tensors
+        with torch.enable_grad():
+            xx, ww = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            out = loop_grouped(xx, ww, offsets)
+            dx, dw = torch.autograd.grad(out, (xx, ww), torch.nan_to_num(g, nan=0.0))
+        end = int(offsets[-1]) if offsets.numel() else 0
+        dx = dx.clone()
+        dx[end:] = float("nan")
+        return dx, dw, None
+
+
+def loop_grouped(x, w, offsets):
+    out = x.new_zeros((x.shape[0], w.shape[1]))
+    bounds = [0, *offsets.tolist()]
+    for e in range(w.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            out[bounds[e] : bounds[e + 1]] = x[bounds[e] : bounds[e + 1]] @ w[e].T
+    return out
+
+
+def test_dropped_rows_never_reach_outputs_or_gradients(monkeypatch):
+    """Copies dropped over capacity sit after every expert's rows, where the grouped GEMM
+    leaves garbage (NaN here): the output and every gradient stay finite and exact."""
+    import hp_moe._experts as ex
+
+    torch.manual_seed(11)
+    moe = MoE(16, 8, 4, 2, capacity_factor=0.5, aux_loss_coeff=0.1, aux_loss_type="batch")
+    x = torch.randn(1, 12, 16, requires_grad=True)
+    out = moe(x)
+    out.backward(torch.ones_like(out))
+    clean = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    x.grad = None
+    monkeypatch.setattr(ex, "grouped_mm", lambda a, w, offs: _PoisonedGroupedMM.apply(a, w, offs))
+    out2 = moe(x)
+    out2.backward(torch.ones_like(out2))
+    torch.testing.assert_close(out2, out)
+    for a, b in zip(clean, [x.grad] + [p.grad for p in moe.parameters()]):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b)
+
+
 # -- load balancing -------------------------------------------------------------------------------
 
 
