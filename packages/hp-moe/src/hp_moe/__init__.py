@@ -10,6 +10,7 @@ hp-kernels' one-sided), and the styles ``ExpertParallel``, ``TensorParallel`` an
 from ._balance import (
     MoEAuxLossAutoScaler,
     register_expert_bias_update,
+    set_aux_loss_scale,
     set_load_balance_group,
     update_expert_bias,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_supported",
     "register_expert_bias_update",
+    "set_aux_loss_scale",
     "set_load_balance_group",
     "update_expert_bias",
 ]

@@ -1,15 +1,18 @@
 """Load balancing: the auxiliary loss, auxiliary-loss-free expert bias, capacity drops.
 
 NOTE [Balance statistics and recomputation]
-    Activation checkpointing runs a layer's forward again during backward. A recomputed forward
-    must neither count its tokens again nor change step statistics, and the auxiliary loss's
-    gradient must be the one its first forward computed. So: counting and accumulation are
-    skipped while autograd is executing a backward (``torch._C._current_graph_task_id()`` is not
-    -1 exactly then, for reentrant and non-reentrant checkpoints alike); the loss's expert
-    weights ``f`` ride on its autograd node as an attribute, not as a saved tensor, so the node
-    of the first forward (the one backward runs; the recomputation only refills saved tensors)
-    keeps them. The recomputed forward performs the same autograd-recorded ops in the same
-    order, as the checkpoint requires.
+    Activation checkpointing runs a layer's forward again, in backward or (hp-pipeline's
+    weight-gradient steps) whenever a saved tensor is read. A recomputed forward must neither
+    count its tokens again nor change step statistics, and the auxiliary loss's gradient must
+    be the one its first forward computed. So counting and accumulation are skipped while a
+    forward is a recomputation (``recomputing()``: autograd is executing a backward on this
+    thread, or PyTorch's checkpoint is refilling saved tensors); the loss's expert weights
+    ``f`` ride on its autograd node as an attribute, not as a saved tensor, so the node of the
+    first forward keeps them (with non-reentrant checkpointing, PyTorch's default and
+    hp-offload's, backward runs the first forward's nodes and the recomputation only refills
+    their saved tensors). The recomputed forward performs the same autograd-recorded ops in
+    the same order, as the checkpoint requires. Reentrant checkpointing runs its first forward
+    without autograd, so no loss exists to replay: ``MoE`` refuses an auxiliary loss there.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ __all__ = [
     "AUX_LOSS_TYPES",
     "MoEAuxLossAutoScaler",
     "capacity_keep",
-    "in_backward",
+    "recomputing",
     "register_expert_bias_update",
+    "set_aux_loss_scale",
     "set_load_balance_group",
     "update_expert_bias",
 ]
@@ -39,10 +43,46 @@ __all__ = [
 AUX_LOSS_TYPES = ("sequence", "batch", "global")
 
 
-def in_backward() -> bool:
-    """True while autograd executes a backward on this thread (an activation-checkpoint
-    recomputation runs then)."""
-    return torch._C._current_graph_task_id() != -1
+def non_reentrant_recompute() -> bool:
+    """True while PyTorch's non-reentrant checkpoint refills saved tensors by recomputing."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return bool(top) and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook")
+
+
+def recomputing() -> bool:
+    """True while this forward is an activation-checkpoint recomputation: autograd executes a
+    backward on this thread, or PyTorch's checkpoint is refilling saved tensors (which
+    hp-pipeline's weight-gradient steps make it do outside a backward)."""
+    return torch._C._current_graph_task_id() != -1 or non_reentrant_recompute()
+
+
+class _Unset:
+    """The "not declared" marker of a load-balance group (one object, kept by deepcopy)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_UNSET"
+
+
+_UNSET = _Unset()
+
+
+class BalanceGroups:
+    """The process groups one ``MoE``'s statistics are summed over: ``balance`` (the ranks
+    that see different tokens; ``_UNSET`` until declared) and ``sequence`` (context-parallel
+    ranks sharing sequences). Holds process groups: ``deepcopy`` shares it."""
+
+    def __init__(self) -> None:
+        self.balance = _UNSET
+        self.sequence = None
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -174,20 +214,35 @@ def _moe_modules(model: nn.Module) -> Iterator[nn.Module]:
             yield m
 
 
-_UNSET = object()
-
-
-def set_load_balance_group(model: nn.Module, group: Any = None, *, sequence_group: Any = _UNSET):
+def set_load_balance_group(
+    model: nn.Module, group: Any = None, *, sequence_group: Any = _UNSET
+) -> None:
     """Declare, for every ``MoE`` in ``model``, the process group over which balance statistics
     are summed: the data-, context- and expert-parallel ranks, the ranks that see different
     tokens (``None``: this process alone). ``aux_loss_type="global"`` reduces its counts over it
     and needs this call (it also says that each step ends with ``update_expert_bias``, which
-    resets the accumulated counts). ``sequence_group``: the context-parallel group whose ranks
-    hold parts of the same sequences (``aux_loss_type="sequence"``)."""
+    resets the accumulated counts). Each rank's "global" loss is scaled by the group's size so
+    that the *mean* of the ranks' gradients is the one-process gradient: gradients must be
+    averaged over exactly this group (as data-parallel training does); each rank's
+    ``aux_loss_total`` is its share, and their mean the one-process value.
+    ``sequence_group``: the context-parallel group whose ranks hold parts of the same sequences
+    (``aux_loss_type="sequence"``; same averaging)."""
     for m in _moe_modules(model):
-        m.balance_group = group
-        if sequence_group is not _UNSET:
-            m.sequence_group = sequence_group
+        groups = BalanceGroups()  # a fresh holder: a deep-copied model shares the old one
+        groups.balance = group
+        groups.sequence = m.sequence_group if sequence_group is _UNSET else sequence_group
+        m.balance_groups = groups
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Multiply every ``MoE``'s auxiliary-loss gradient by ``scale``: ``1 / n`` when the main
+    loss is divided by ``n`` accumulation or pipeline microbatches, so that the loss keeps its
+    weight ``aux_loss_coeff`` in the step's gradient (``MoEAuxLossAutoScaler`` cannot see the
+    main loss's scaling; Megatron's ``set_loss_scale`` is the same knob)."""
+    if not isinstance(scale, (int, float)) or scale <= 0:
+        raise MoEConfigError(f"scale={scale!r} must be a positive number")
+    for m in _moe_modules(model):
+        m.aux_loss_scale = float(scale)
 
 
 @torch.no_grad()

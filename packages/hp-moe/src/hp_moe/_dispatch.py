@@ -68,7 +68,7 @@ class DispatchContext:
         slots: sync-free path: each permuted row's slot in the padded send buffer (a dump slot
             for rows that are not sent).
         overflow: sync-free path: copies dropped because a block exceeded ``rows_per_peer``
-            (a device tensor; 0 on the other paths).
+            (a device tensor; None on the other paths; ``MoE`` adds it to ``dropped_tokens``).
         row_gates: with ``gates_to_experts``, the gate of each row ``dispatch`` returned (the
             experts multiply it in and ``combine`` sums the copies unweighted); else None.
         dispatcher: the dispatcher that made it (``combine`` checks it is given back to it).
@@ -86,7 +86,7 @@ class DispatchContext:
     regroup: torch.Tensor | None = None
     regroup_inverse: torch.Tensor | None = None
     slots: torch.Tensor | None = None
-    overflow: Any = 0
+    overflow: torch.Tensor | None = None
     row_gates: torch.Tensor | None = None
     dispatcher: Any = field(default=None, repr=False)
 
@@ -352,14 +352,7 @@ class AllToAllDispatcher(TokenDispatcher):
         rows_per_peer: int | None = None,
     ) -> None:
         check_ep_mesh(mesh, num_experts, type(self).__name__)
-        if rows_per_peer is not None:
-            if not sync_free:
-                raise MoEConfigError(
-                    "rows_per_peer bounds the padded blocks of the sync-free path: pass "
-                    "sync_free=True with it, or drop it"
-                )
-            if not isinstance(rows_per_peer, int) or rows_per_peer <= 0:
-                raise MoEConfigError(f"rows_per_peer={rows_per_peer!r} must be a positive int")
+        check_padding(sync_free, rows_per_peer)
         self.num_experts = int(num_experts)
         self.mesh = mesh
         self.ep = mesh.size()
@@ -372,15 +365,30 @@ class AllToAllDispatcher(TokenDispatcher):
         extra = f", sync_free=True, rows_per_peer={self.rows_per_peer}" if self.sync_free else ""
         return f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep}{extra})"
 
-    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+    def _exchange_counts(self, counts: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """This rank's ``(ep, E_l)`` counts to the peers; theirs for this rank's experts, as
-        ``(source, local expert)``."""
+        ``(source, local expert)``. With ``bound`` (the sync-free block size) each peer's bound
+        travels along and must equal this rank's: padded exchanges of unequal blocks would
+        not match (checked on the device, without a host sync)."""
         ep, el = self.ep, self.local_experts
-        out = torch.empty(ep * el, dtype=counts.dtype, device=counts.device)
-        work = self._exchange(out, counts.reshape(-1).contiguous(), [el] * ep, [el] * ep, False)
+        send = counts.reshape(ep, el)
+        if bound is not None:
+            send = torch.cat([send, send.new_full((ep, 1), bound)], 1)
+        w = send.shape[1]
+        out = torch.empty(ep * w, dtype=counts.dtype, device=counts.device)
+        work = self._exchange(out, send.reshape(-1).contiguous(), [w] * ep, [w] * ep, False)
         if work is not None:
             work.wait()
-        return out.view(ep, el)
+        out = out.view(ep, w)
+        if bound is not None:
+            torch._assert_async(
+                (out[:, el] == bound).all(),
+                "sync-free dispatch: the expert-parallel ranks pad to different block sizes "
+                "(rows_per_peer defaults to each rank's T * k): give every rank the same number "
+                "of tokens, or set rows_per_peer",
+            )
+            out = out[:, :el]
+        return out
 
     def _send(self, rows, gates, ctx):
         if self.sync_free:
@@ -466,7 +474,7 @@ class AllToAllDispatcher(TokenDispatcher):
             buf = x.new_zeros((ep * cap + 1, *x.shape[1:])).index_copy(0, slots, x)
             return buf[: ep * cap]
 
-        by_source = self._exchange_counts(sent)
+        by_source = self._exchange_counts(sent, bound=cap)
         pending: list = []
         even = [cap] * ep
         received = _AllToAll.apply(padded(rows), even, even, self._exchange, pending)
@@ -514,6 +522,19 @@ class OneSidedDispatcher(AllToAllDispatcher):
     the collective library's. The mesh's ranks must share one host."""
 
     _exchange_class = _OneSidedExchange
+
+
+def check_padding(sync_free: bool, rows_per_peer) -> None:
+    """``rows_per_peer`` belongs to the sync-free path and is a positive int."""
+    if rows_per_peer is None:
+        return
+    if not sync_free:
+        raise MoEConfigError(
+            "rows_per_peer bounds the padded blocks of the sync-free path: pass sync_free=True "
+            "with it, or drop it"
+        )
+    if not isinstance(rows_per_peer, int) or isinstance(rows_per_peer, bool) or rows_per_peer <= 0:
+        raise MoEConfigError(f"rows_per_peer={rows_per_peer!r} must be a positive int")
 
 
 def check_ep_mesh(mesh: Any, num_experts: int, who: str) -> None:

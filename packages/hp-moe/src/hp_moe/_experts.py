@@ -184,7 +184,9 @@ class GroupedExperts(nn.Module):
         """``x`` (R, dim) grouped by local expert, ``num_tokens_per_expert`` (local experts,)
         -> (R, dim). ``row_weights`` (R,): multiply each row's hidden activation (the same as
         its output: ``w2`` is linear), fused into the SwiGLU (``ctx.row_gates`` of a dispatch
-        with ``gates_to_experts``)."""
+        with ``gates_to_experts``). Rows after ``num_tokens_per_expert.sum()`` belong to no
+        expert: their outputs, and the gradients their inputs and ``row_weights`` receive, are
+        unspecified (the dispatchers never read them)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if num_tokens_per_expert.shape != (w1.shape[0],):
             raise MoEConfigError(

@@ -10,16 +10,20 @@ from hp_kernels.moe import count_experts
 from ._balance import (
     _UNSET,
     AUX_LOSS_TYPES,
+    BalanceGroups,
     MoEAuxLossAutoScaler,
     aux_loss,
     capacity_keep,
-    in_backward,
+    non_reentrant_recompute,
+    recomputing,
 )
 from ._experts import FeedForward, GroupedExperts
 from ._router import TokenChoiceTopKRouter, check_routing
 from .errors import DispatchError, MoEConfigError
 
 __all__ = ["MoE"]
+
+_FP32_BUFFERS = ("expert_bias", "tokens_per_expert", "aux_loss_total", "global_counts")
 
 
 class MoE(nn.Module):
@@ -44,7 +48,9 @@ class MoE(nn.Module):
       (per sequence, averaged; DeepSeek-V3's), ``"batch"`` (this forward's tokens) or
       ``"global"`` (``f`` from the counts of every rank of the load-balance group and of every
       microbatch of the step so far; see ``set_load_balance_group``), whose value and gradient
-      do not depend on how the batch is split over ranks.
+      averaged over that group do not depend on how the batch is split over its ranks. With
+      the main loss divided over ``n`` microbatches, ``set_aux_loss_scale(model, 1 / n)``.
+      Needs non-reentrant activation checkpointing where the layer is checkpointed.
     - ``capacity_factor``: dropless when None; otherwise each expert keeps at most ``ceil(factor
       * T * k / E)`` copies, highest gate value first, and the dropped copies are counted in
       ``dropped_tokens``.
@@ -112,13 +118,38 @@ class MoE(nn.Module):
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_total", torch.zeros(()), persistent=False)
         self.register_buffer("global_counts", torch.zeros(num_experts + 1), persistent=False)
-        #: process group of the ranks that see different tokens (see set_load_balance_group)
-        self.balance_group = _UNSET
-        #: context-parallel group for aux_loss_type="sequence" (None: sequences are whole here)
-        self.sequence_group = None
+        #: the process groups balance statistics are summed over (set_load_balance_group);
+        #: shared, not copied, by deepcopy
+        self.balance_groups = BalanceGroups()
+        #: multiplies the auxiliary loss's gradient (set_aux_loss_scale: 1 / microbatches
+        #: when the main loss is divided so)
+        self.aux_loss_scale = 1.0
+
+    @property
+    def balance_group(self):
+        """The ranks that see different tokens (data-, context- and expert-parallel)."""
+        return self.balance_groups.balance
+
+    @property
+    def sequence_group(self):
+        """The context-parallel ranks holding parts of the same sequences (or None)."""
+        return self.balance_groups.sequence
+
+    def _apply(self, fn, recurse=True):
+        # the balance buffers follow the module's device, never its dtype: bf16 counts round
+        # and a 1e-3 bias step vanishes next to a bias of 0.5
+        keep = {n: b for n, b in self._buffers.items() if n in _FP32_BUFFERS and b is not None}
+        for n in keep:
+            self._buffers[n] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, b in keep.items():
+                self._buffers[n] = b.to(fn(b.new_empty(0)).device)
+        return self
 
     def _balance_group_or_none(self):
-        if self.balance_group is _UNSET:
+        if self.balance_groups.balance is _UNSET:
             raise DispatchError(
                 'aux_loss_type="global" reduces its counts over the load-balance group and '
                 "accumulates them until the step ends: call hp_moe.register_expert_bias_update("
@@ -135,7 +166,7 @@ class MoE(nn.Module):
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         top_scores, top_indices, scores = self.router(flat, self.expert_bias)
-        record = self.training and not in_backward()  # see NOTE [Balance statistics ...]
+        record = self.training and not recomputing()  # see NOTE [Balance statistics ...]
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_keep(top_scores, top_indices, self.num_experts, self.capacity_factor)
@@ -146,6 +177,13 @@ class MoE(nn.Module):
                     self.dropped_tokens.add_(keep.numel() - keep.sum())
         aux = None
         if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            if not record and not non_reentrant_recompute():
+                raise DispatchError(
+                    "an auxiliary loss under reentrant activation checkpointing: its first "
+                    "forward ran without autograd, so the loss's weights of that forward cannot "
+                    "be replayed; use torch.utils.checkpoint(..., use_reentrant=False) (or "
+                    "hp_offload.checkpoint_wrapper), or aux_loss_coeff=0"
+                )
             aux = aux_loss(self, scores, top_indices, b, s, record=record)
         dispatcher = self.experts.dispatcher
         # the gates travel with the rows and are multiplied into the experts' activations
@@ -154,6 +192,8 @@ class MoE(nn.Module):
         )
         shared = self.shared_experts(flat) if self.shared_experts is not None else None
         tokens, counts, ctx = handle.wait()
+        if record and ctx.overflow is not None:  # sync-free blocks over their bound
+            self.dropped_tokens.add_(ctx.overflow)
         y = self.experts(tokens, counts, row_weights=ctx.row_gates)
         out = dispatcher.combine(y, ctx).to(x.dtype)
         if shared is not None:
@@ -161,7 +201,7 @@ class MoE(nn.Module):
         if aux is not None:
             if record:
                 self.aux_loss_total.add_(aux.detach())
-            out = MoEAuxLossAutoScaler.apply(out, aux, self.aux_loss_coeff)
+            out = MoEAuxLossAutoScaler.apply(out, aux, self.aux_loss_coeff * self.aux_loss_scale)
         return out.view(b, s, d)
 
     def extra_repr(self) -> str:

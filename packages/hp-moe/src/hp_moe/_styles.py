@@ -18,7 +18,7 @@ import torch.nn as nn
 from hp_dtensor import DTensor, MeshError, Placement, Shard, distribute_tensor
 from hp_dtensor.parallel import ParallelStyle
 
-from ._dispatch import AllToAllDispatcher, OneSidedDispatcher, check_ep_mesh
+from ._dispatch import AllToAllDispatcher, OneSidedDispatcher, check_ep_mesh, check_padding
 from ._experts import GroupedExperts
 from .errors import DispatchError, MoEConfigError
 
@@ -48,12 +48,16 @@ def _distribute(module: nn.Module, mesh, placements: dict[str, tuple[Placement, 
         module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
-def _check_dispatcher(name: str, style: str) -> None:
-    if name not in _DISPATCHERS:
+def _check_dispatcher(style) -> None:
+    """The dispatcher settings, checked before any parameter is distributed."""
+    name = type(style).__name__
+    if style.dispatcher not in _DISPATCHERS:
         raise MoEConfigError(
-            f"{style}: dispatcher={name!r} is not one of {tuple(_DISPATCHERS)} ('all_to_all': the "
-            f"collective library's; 'one_sided': hp-kernels' shared/symmetric memory)"
+            f"{name}: dispatcher={style.dispatcher!r} is not one of {tuple(_DISPATCHERS)} "
+            f"('all_to_all': the collective library's; 'one_sided': hp-kernels' shared or "
+            f"symmetric memory)"
         )
+    check_padding(style.sync_free, style.rows_per_peer)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class ExpertParallel(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _check_module(module, "ExpertParallel", path)
-        _check_dispatcher(self.dispatcher, "ExpertParallel")
+        _check_dispatcher(self)
         check_ep_mesh(device_mesh, module.num_experts, "ExpertParallel")
 
     def apply(self, module, device_mesh):
@@ -135,7 +139,7 @@ class ExpertTensorParallel(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _check_module(module, "ExpertTensorParallel", path)
-        _check_dispatcher(self.dispatcher, "ExpertTensorParallel")
+        _check_dispatcher(self)
         if device_mesh.ndim != 2:
             raise MeshError(
                 f"ExpertTensorParallel needs a 2-D [ep, tp] mesh, got {device_mesh}: pass "

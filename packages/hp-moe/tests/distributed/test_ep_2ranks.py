@@ -96,6 +96,8 @@ def _overflow():
     y = moe.experts.dispatcher.combine(moe.experts(tokens, counts), ctx)
     kept = int(ctx.keep.sum())
     assert kept + int(ctx.overflow) == 20 and int(ctx.overflow) > 0
+    moe(x[None])  # the layer counts what overflowed among its dropped copies
+    assert int(moe.dropped_tokens) == int(ctx.overflow)
     # the same drops through the exact dispatcher (keep given explicitly)
     exact = hp_moe.AllToAllDispatcher(4, mesh)
     t2, c2, ctx2 = exact.dispatch(x, s, i, keep=ctx.keep)
@@ -144,6 +146,20 @@ def _errors():
             "dispatcher='nccl' is not one of",
         ),
         (hp_moe.MoE(16, 8, 4, 2), mesh2, hp_moe.TensorParallel(), MeshError, "needs a 1-D mesh"),
+        (
+            hp_moe.MoE(16, 8, 4, 2),
+            mesh,
+            hp_moe.ExpertParallel(rows_per_peer=4),
+            hp_moe.MoEConfigError,
+            "pass sync_free=True",
+        ),
+        (
+            hp_moe.MoE(16, 8, 4, 2),
+            mesh,
+            hp_moe.ExpertParallel(sync_free=True, rows_per_peer=0),
+            hp_moe.MoEConfigError,
+            "rows_per_peer=0 must be a positive int",
+        ),
     ]
     for moe, m, style, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -158,7 +174,7 @@ def _errors():
 
 def test_errors_before_any_collective(pool):
     res = pool.run(_errors)
-    assert res[0] == res[1] and len(res[0]) == 5
+    assert res[0] == res[1] and len(res[0]) == 7
 
 
 def _ep_capacity(style_kwargs):

@@ -420,3 +420,61 @@ def test_all_combinations_run_forward_backward():
         out = moe(torch.randn(2, 3, 16))
         out.backward(torch.randn_like(out))
         assert all(p.grad is not None for p in moe.parameters())
+
+
+def test_aux_loss_refused_under_reentrant_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    moe = MoE(16, 8, 4, 2, aux_loss_coeff=0.1, aux_loss_type="batch")
+    x = torch.randn(1, 6, 16, requires_grad=True)
+    out = checkpoint(moe, x, use_reentrant=True)
+    with pytest.raises(hp_moe.DispatchError, match="use_reentrant=False"):
+        out.sum().backward()
+    # without an auxiliary loss reentrant checkpointing is fine, and counts once
+    moe2 = MoE(16, 8, 4, 2, load_balance_coeff=0.1)
+    checkpoint(moe2, x, use_reentrant=True).sum().backward()
+    assert moe2.tokens_per_expert.sum() == 12
+
+
+def test_balance_buffers_stay_float32_under_a_dtype_cast():
+    moe = MoE(16, 8, 4, 2, load_balance_coeff=1e-3).to(torch.bfloat16)
+    assert moe.experts.w1.dtype == torch.bfloat16
+    for name in ("expert_bias", "tokens_per_expert", "aux_loss_total", "global_counts"):
+        assert getattr(moe, name).dtype == torch.float32, name
+    moe.expert_bias.fill_(0.5)
+    moe.tokens_per_expert.copy_(torch.tensor([4049.0, 4031.0, 4096.0, 4225.0]))
+    update_expert_bias(moe)
+    delta = 1e-3 * torch.sign(
+        moe.expert_bias.new_tensor([4049.0, 4031.0, 4096.0, 4225.0]).mean()
+        - torch.tensor([4049.0, 4031.0, 4096.0, 4225.0])
+    )
+    torch.testing.assert_close(moe.expert_bias, 0.5 + delta - delta.mean())
+
+
+def test_deepcopy_keeps_the_unset_marker_and_shares_groups():
+    import copy
+
+    moe = MoE(16, 8, 4, 2, aux_loss_coeff=0.1, aux_loss_type="global")
+    twin = copy.deepcopy(moe)
+    with pytest.raises(hp_moe.DispatchError, match="register_expert_bias_update"):
+        twin(torch.randn(1, 4, 16))
+    hp_moe.set_load_balance_group(moe, None)
+    twin2 = copy.deepcopy(moe)
+    assert twin2.balance_group is None
+    twin2(torch.randn(1, 4, 16))
+
+
+def test_aux_loss_scale_scales_its_gradient():
+    torch.manual_seed(12)
+    moe = MoE(16, 8, 4, 2, aux_loss_coeff=0.5, aux_loss_type="batch")
+    x = torch.randn(2, 3, 16)
+    grads = []
+    for scale in (1.0, 0.25):
+        hp_moe.set_aux_loss_scale(moe, scale)
+        moe.zero_grad()
+        out = moe(x)
+        (out * 0).sum().backward()  # only the auxiliary loss has a gradient
+        grads.append(moe.router.gate.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0] * 0.25)
+    with pytest.raises(MoEConfigError, match="scale=0"):
+        hp_moe.set_aux_loss_scale(moe, 0)
