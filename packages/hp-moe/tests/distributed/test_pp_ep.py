@@ -94,7 +94,7 @@ def _sync(mods, group, ep):
             g.div_(ep)
 
 
-def _pp_ep(name, checkpointed, steps):
+def _pp_ep(name, checkpointed, steps, overlap_b_f=False):
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
     pp_rank, ep_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     cls, v = SCHEDULES[name]
@@ -121,7 +121,7 @@ def _pp_ep(name, checkpointed, steps):
         for n, _ in mods[s].named_parameters()
     }
     stages = [PipelineStage(mods[s], s, n_stages, group=mesh.get_group("pp")) for s in mine]
-    sched = cls(stages if v > 1 else stages[0], MICRO, loss_fn=mm.loss_fn)
+    sched = cls(stages if v > 1 else stages[0], MICRO, loss_fn=mm.loss_fn, overlap_b_f=overlap_b_f)
     opt = torch.optim.SGD([p for m in mods.values() for p in m.parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     ref_params = dict(ref.named_parameters())
@@ -181,9 +181,17 @@ def test_pp2_x_ep2_equals_one_device(pool, name):
     assert all(live[-1][0] == 0 for _, live in res)  # no DispatchContext outlives a step
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_pp2_x_ep2_with_overlapped_backward_and_forward(pool, name):
+    """overlap_b_f fuses one microbatch's backward with another's forward (their all-to-alls
+    in one step): every expert-parallel rank runs the same fused order."""
+    res = pool.run(_pp_ep, name, False, 3, True)
+    assert all(live[-1][0] == 0 for _, live in res)
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_pp2_x_ep2_under_activation_checkpointing(pool, name):
-    steps = 20 if name == "1f1b" else 6
+    steps = 20
     for _, live in pool.run(_pp_ep, name, True, steps):
         (ctx5, tensors5), (ctx_end, tensors_end) = live
         assert ctx5 == ctx_end == 0
