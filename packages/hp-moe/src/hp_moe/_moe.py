@@ -31,10 +31,12 @@ class MoE(nn.Module):
 
     Each token is routed to ``top_k`` of ``num_experts`` SwiGLU experts (``router``, a
     ``TokenChoiceTopKRouter``); the expert outputs are multiplied by their gate values and summed,
-    then the shared experts' output (a ``FeedForward`` of ``hidden_dim * num_shared_experts``)
-    is added. Routing, dispatch, expert compute and combine are separate steps: the experts'
-    ``dispatcher`` (local until ``ExpertParallel`` installs an all-to-all one) returns a
-    ``DispatchContext`` per call, so nothing of a batch is kept on the module.
+    then the shared experts' output (a ``FeedForward`` of ``shared_hidden_dim``, by default
+    ``hidden_dim * num_shared_experts``; times ``sigmoid(shared_expert_gate(x))`` with
+    ``shared_expert_gate``, as Qwen3.5-MoE) is added. Routing, dispatch, expert compute and
+    combine are separate steps: the experts' ``dispatcher`` (local until ``ExpertParallel``
+    installs an all-to-all one) returns a ``DispatchContext`` per call, so nothing of a batch
+    is kept on the module.
 
     Load balancing:
 
@@ -71,6 +73,8 @@ class MoE(nn.Module):
         top_k: int,
         *,
         num_shared_experts: int = 0,
+        shared_hidden_dim: int | None = None,
+        shared_expert_gate: bool = False,
         score_func: str = "softmax",
         route_norm: bool = False,
         route_scale: float = 1.0,
@@ -100,9 +104,18 @@ class MoE(nn.Module):
             num_limited_groups=num_limited_groups,
         )
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
-        self.shared_experts = (
-            FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts else None
-        )
+        if shared_hidden_dim is None:
+            shared_hidden_dim = hidden_dim * num_shared_experts
+        elif not num_shared_experts:
+            raise MoEConfigError(
+                f"shared_hidden_dim={shared_hidden_dim} without shared experts: set "
+                f"num_shared_experts (>= 1) or drop shared_hidden_dim"
+            )
+        if shared_expert_gate and not num_shared_experts:
+            raise MoEConfigError("shared_expert_gate=True needs num_shared_experts >= 1")
+        self.shared_experts = FeedForward(dim, shared_hidden_dim) if num_shared_experts else None
+        #: Qwen2/3.5-MoE's gate on the shared experts: their output times sigmoid(gate(x))
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_expert_gate else None
         self.load_balance_coeff = load_balance_coeff
         self.aux_loss_coeff = float(aux_loss_coeff)
         self.aux_loss_type = aux_loss_type
@@ -190,7 +203,11 @@ class MoE(nn.Module):
         handle = dispatcher.dispatch_async(
             flat, top_scores, top_indices, keep=keep, gates_to_experts=True
         )
-        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
         tokens, counts, ctx = handle.wait()
         if record and ctx.overflow is not None:  # sync-free blocks over their bound
             self.dropped_tokens.add_(ctx.overflow)

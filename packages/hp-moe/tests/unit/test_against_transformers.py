@@ -117,3 +117,48 @@ def test_qwen3_moe_sparse_block(norm):
     load_from_hf(ours, hf)
     x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(3))
     _compare(ours, hf, x)
+
+
+def test_qwen3_5_moe_sparse_block_with_gated_shared_expert():
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    cfg = Qwen3_5MoeTextConfig(
+        hidden_size=H,
+        moe_intermediate_size=INTER,
+        shared_expert_intermediate_size=24,
+        num_experts=E,
+        num_experts_per_tok=K,
+    )
+    hf = Qwen3_5MoeSparseMoeBlock(cfg)
+    _init(hf, 4)
+    ours = MoE(
+        H,
+        INTER,
+        E,
+        K,
+        num_shared_experts=1,
+        shared_hidden_dim=24,
+        shared_expert_gate=True,
+        score_func="softmax",
+        route_norm=True,
+    )
+    hf.shared_experts = hf.shared_expert  # the same weights under the helper's name
+    load_from_hf(ours, hf)
+    with torch.no_grad():
+        ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(5))
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, ref = ours(x1), hf(x2)
+    torch.testing.assert_close(out, ref, **TOL)
+    up = torch.randn_like(out)
+    out.backward(up)
+    ref.backward(up)
+    torch.testing.assert_close(x1.grad, x2.grad, **TOL)
+    torch.testing.assert_close(
+        ours.shared_expert_gate.weight.grad, hf.shared_expert_gate.weight.grad, **TOL
+    )
+    grads = hf_grads(hf)
+    for name, p in ours.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(p.grad, grads[name], **TOL, msg=name)
