@@ -158,7 +158,9 @@ class MoE(nn.Module):
             super()._apply(fn, recurse)
         finally:
             for n, b in keep.items():
-                self._buffers[n] = b.to(fn(b.new_empty(0)).device)
+                probe = fn(b.new_empty(0))
+                # a device move (or to_empty) applies as is; a dtype cast moves the device only
+                self._buffers[n] = fn(b) if probe.dtype == b.dtype else b.to(probe.device)
         return self
 
     def _balance_group_or_none(self):

@@ -10,6 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hp_moe import FeedForward as SwiGLU
+from hp_moe import MoE
+
 from ._config import TransformerConfig
 
 __all__ = [
@@ -37,10 +40,46 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def _inv_freq(cfg: TransformerConfig) -> torch.Tensor:
-    hd = int(cfg.hd * cfg.partial_rotary_factor)  # Qwen3.5 rotates a quarter of each head
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+def _yarn(cfg: TransformerConfig, sc: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V2/V3): interpolated low frequencies, extrapolated high ones, a linear
+    ramp between the dimensions that turn ``beta_slow`` and ``beta_fast`` times over the
+    original context; and the attention temperature factor the tables are multiplied by."""
+    from ._deepseek import yarn_mscale
+
+    dim, base, factor = cfg.rope_dim, cfg.rope_theta, sc["factor"]
+    old = sc["original_max_position_embeddings"]
+    fast, slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = math.floor(correction_dim(fast)), math.ceil(correction_dim(slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    if sc.get("truncate", True) is False:
+        low, high = max(correction_dim(fast), 0), min(correction_dim(slow), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
+    m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    if sc.get("attention_factor") is not None:
+        attention = float(sc["attention_factor"])
+    elif m and m_all:
+        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    else:
+        attention = yarn_mscale(factor)
+    return inv, attention
+
+
+def _inv_freq(cfg: TransformerConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rotated dimensions, and the tables' scale (YaRN's)."""
     sc = cfg.rope_scaling
+    if sc and sc.get("rope_type") == "yarn":
+        return _yarn(cfg, sc)
+    hd = cfg.rope_dim  # Qwen3.5 rotates a quarter of each head, DeepSeek its decoupled part
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if sc:  # Llama 3.1: long wavelengths slowed by `factor`, a smooth ramp in between
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
         old = sc["original_max_position_embeddings"]
@@ -50,16 +89,17 @@ def _inv_freq(cfg: TransformerConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
         inv = torch.where(medium, smoothed, scaled)
-    return inv
+    return inv, 1.0
 
 
 def rotary_tables(cfg: TransformerConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape ``[1, max_seq_len, 1, head_dim]`` (rotate-half layout), float32."""
-    inv = _inv_freq(cfg).to(device)
+    """cos and sin of shape ``[1, max_seq_len, 1, rope_dim]`` (rotate-half layout), float32."""
+    inv, scale = _inv_freq(cfg)
+    inv = inv.to(device)
     pos = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
     ang = pos[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)[None, :, None, :]
-    return ang.cos(), ang.sin()
+    return ang.cos() * scale, ang.sin() * scale
 
 
 def _rope(x, cos, sin):
@@ -98,17 +138,12 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+class FeedForward(SwiGLU):
+    """SwiGLU ``w2(silu(w1 x) * w3 x)`` of the configuration's width (hp_moe's ``FeedForward``,
+    the same module the MoE layers' shared experts are)."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=cfg.mlp_bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        super().__init__(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
 
 
 class TransformerBlock(nn.Module):
@@ -118,7 +153,13 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, layer: int = 0) -> None:
         super().__init__()
-        if cfg.architecture == "qwen3_5":
+        if cfg.architecture == "deepseek_v3":
+            from ._deepseek import MLAttention
+
+            self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.attention = MLAttention(cfg)
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        elif cfg.architecture == "qwen3_5":
             from ._qwen3_5 import GatedAttention, GatedDeltaNet, ZeroCenteredRMSNorm
 
             self.attention_norm = ZeroCenteredRMSNorm(cfg.dim, cfg.norm_eps)
@@ -131,12 +172,16 @@ class TransformerBlock(nn.Module):
             self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.attention = Attention(cfg)
             self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.moe is not None and cfg.moe.is_moe(layer):
+            self.moe = MoE(cfg.dim, **cfg.moe.layer_kwargs())
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         mixer = getattr(self, "attention", None) or self.linear_attention
         x = x + mixer(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        ffn = getattr(self, "moe", None) or self.feed_forward
+        return x + ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -156,6 +201,18 @@ class Transformer(nn.Module):
         else:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = None
+        if cfg.mtp_layers:  # DeepSeek-V3's multi-token prediction, blocks after the main ones
+            from ._deepseek import MTPModule
+
+            self.mtp = nn.ModuleList(
+                MTPModule(cfg, cfg.n_layers - 1) for _ in range(cfg.mtp_layers)
+            )
+            # the sum of a step's MTP losses (times their weight), for logging
+            self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
+        #: multiplies the MTP loss's gradient (1 / n when the main loss is divided over n
+        #: microbatches), as hp_moe.set_aux_loss_scale does for the balance losses
+        self.mtp_loss_scale = 1.0
         self.tie_weights()
         cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -205,8 +262,40 @@ class Transformer(nn.Module):
             h = tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        out = self.norm(h) if self.norm is not None else h
+        out = self.output(out) if self.output is not None else out
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            out = self._attach_mtp(out, h, tokens)
+        return out
+
+    def _attach_mtp(self, logits, h, tokens):
+        """DeepSeek-V3's MTP loss, ``weight / D * sum_k CE_k``: depth ``k`` combines the hidden
+        states of depth ``k - 1`` at position ``i`` with the embedding of token ``i + k`` and
+        predicts token ``i + k + 1`` (positions whose target lies in this sequence). Its
+        gradient is attached to the logits (as the MoE balance loss is to the layer output),
+        so the training loop computes only the main loss."""
+        from hp_moe import MoEAuxLossAutoScaler
+
+        if self.tok_embeddings is None or self.output is None:
+            raise ValueError(
+                "multi-token prediction needs the embedding and the output head in one module "
+                "(it is not split across pipeline stages)"
+            )
+        total = logits.new_zeros((), dtype=torch.float32)
+        t = tokens.shape[1]
+        for k, module in enumerate(self.mtp, start=1):
+            if t - k < 2:
+                break
+            emb = self.tok_embeddings(tokens[:, k:])
+            h = module(h[:, : t - k], emb, self.rope_cos, self.rope_sin)
+            pred = self.output(module.norm(h[:, :-1]))
+            total = total + F.cross_entropy(
+                pred.reshape(-1, pred.shape[-1]).float(), tokens[:, k + 1 :].reshape(-1)
+            )
+        coeff = self.config.mtp_loss_weight / len(self.mtp)
+        with torch.no_grad():
+            self.mtp_loss.add_(coeff * total.detach())
+        return MoEAuxLossAutoScaler.apply(logits, total, coeff * self.mtp_loss_scale)
 
     def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write ``config.json`` and safetensors weights in HuggingFace format (see
