@@ -9,6 +9,7 @@ hp-kernels' one-sided), and the styles ``ExpertParallel``, ``TensorParallel`` an
 
 from ._balance import (
     MoEAuxLossAutoScaler,
+    moe_statistics,
     register_expert_bias_update,
     set_aux_loss_scale,
     set_load_balance_group,
@@ -52,6 +53,7 @@ __all__ = [
     "TokenDispatcher",
     "grouped_mm",
     "grouped_mm_supported",
+    "moe_statistics",
     "register_expert_bias_update",
     "set_aux_loss_scale",
     "set_load_balance_group",

@@ -33,6 +33,7 @@ __all__ = [
     "AUX_LOSS_TYPES",
     "MoEAuxLossAutoScaler",
     "capacity_keep",
+    "moe_statistics",
     "recomputing",
     "register_expert_bias_update",
     "set_aux_loss_scale",
@@ -286,3 +287,50 @@ def register_expert_bias_update(
         update_expert_bias(model, group=group)
 
     return optimizer.register_step_pre_hook(hook)
+
+
+@torch.no_grad()
+def moe_statistics(model: nn.Module, *, group: Any = None) -> list[dict]:
+    """The step's statistics of every ``MoE`` in ``model`` so far, one dict per layer (by module
+    name): ``tokens`` (routed copies per expert, summed over ``group``), ``imbalance`` (max /
+    mean of those), ``aux_loss`` (the step's balance losses, mean over ``group``),
+    ``bias_min``/``bias_max`` (the expert bias, None without one) and ``dropped`` (copies
+    dropped over capacity, summed). A collective over ``group`` (every rank calls it); read
+    it before ``update_expert_bias`` resets the counts."""
+    from ._moe import MoE
+
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+    if not named:
+        return []
+    parts = [m.tokens_per_expert.float() for _, m in named]
+    flat = torch.cat(
+        parts
+        + [torch.stack([m.dropped_tokens.float() for _, m in named])]
+        + [torch.stack([m.aux_loss_total.float() for _, m in named])]
+    )
+    size = 1
+    if group is not None:
+        platform = hp.get_platform(flat.device.type)
+        size = platform.get_world_size(group)
+        if size > 1:
+            platform.all_reduce(flat, "sum", group)
+    values = flat.tolist()
+    out, pos, n = [], 0, len(named)
+    dropped, aux = values[-2 * n : -n], values[-n:]
+    for i, (name, m) in enumerate(named):
+        counts = values[pos : pos + m.num_experts]
+        pos += m.num_experts
+        mean = sum(counts) / len(counts)
+        bias = m.expert_bias
+        out.append(
+            {
+                "layer": name,
+                "tokens": counts,
+                "imbalance": max(counts) / mean if mean > 0 else 0.0,
+                "aux_loss": aux[i] / size,
+                "bias_min": float(bias.min()) if bias is not None else None,
+                "bias_max": float(bias.max()) if bias is not None else None,
+                "dropped": int(dropped[i]),
+            }
+        )
+    return out

@@ -6,7 +6,7 @@ from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, dp_mesh, parallelize_llama
 from ._pipeline import StageSet, pipeline_llama
 from ._trainer import Callback, LLMTrainer, preflight
-from .callbacks import LoggingCallback
+from .callbacks import LoggingCallback, MoeMonitorCallback
 from .config import JobConfig, load_config
 from .errors import ConfigError
 
@@ -18,6 +18,7 @@ __all__ = [
     "JobConfig",
     "LLMTrainer",
     "LoggingCallback",
+    "MoeMonitorCallback",
     "ParallelDims",
     "ParallelizeConfig",
     "StageSet",

@@ -28,8 +28,12 @@ class ParallelDims:
 
     ``dp_shard=-1`` takes what the others leave of ``world_size``. Every problem is reported at
     once, one line each, naming its config key. Mesh dimensions, outermost first:
-    ``pp, dp_replicate, dp_shard, cp, tp``; experts borrow ``dp_shard x cp`` (and ``tp`` when
-    ``etp == 1``), as in torchtitan.
+    ``pp, dp_replicate, dp_shard, cp, tp``. Expert parallelism borrows ``ep`` of the
+    ``dp_shard`` ranks (the experts' mesh splits ``dp_shard`` into ``efsdp x ep``, ``ep``
+    inner): each expert is sharded over the ``efsdp`` ranks by FSDP. ``etp`` is 1 (every
+    tensor-parallel rank runs the experts on the same tokens) or ``tp`` (the experts' hidden
+    dimension split over ``tp``). Unlike torchtitan, ``ep`` never borrows ``tp`` ranks: the MoE
+    takes the whole sequence (all-gathered under sequence parallelism).
     """
 
     dp_replicate: int = 1
@@ -69,11 +73,18 @@ class ParallelDims:
             )
         if self.etp not in (1, self.tp):
             problems.append(f"{KEYS['etp']}={self.etp}: must be 1 or the tensor parallel degree")
-        borrow = self.dp_shard * self.cp * (self.tp if self.etp == 1 else 1)
-        if self.ep > 1 and borrow % self.ep:
+        if self.ep > 1 and self.dp_shard % self.ep:
             problems.append(
-                f"{KEYS['ep']}={self.ep} must divide dp_shard x cp"
-                f"{' x tp' if self.etp == 1 else ''} = {borrow}"
+                f"{KEYS['ep']}={self.ep} must divide {KEYS['dp_shard']} = {self.dp_shard} "
+                f"(expert parallelism borrows data-parallel ranks)"
+            )
+        if self.ep > 1 and self.cp > 1:
+            problems.append(f"{KEYS['ep']}={self.ep} with {KEYS['cp']}={self.cp} is not supported")
+        if self.ep > 1 and self.etp > 1 and (self.dp_shard != self.ep or self.dp_replicate > 1):
+            problems.append(
+                f"{KEYS['etp']}={self.etp} with {KEYS['ep']}={self.ep} shards each expert over "
+                f"ep x tp already: give {KEYS['dp_shard']} = {KEYS['ep']} and no replication "
+                f"(fully_shard does not shard 2-D expert meshes further)"
             )
         if problems:
             raise ConfigError("\n".join(problems))
@@ -91,6 +102,7 @@ class ParallelDims:
         n_layers: int,
         ffn_hidden: int | None = None,
         num_experts: int | None = None,
+        expert_hidden: int | None = None,
         linear_heads: tuple[int, int] | None = None,
         global_batch_size: int | None = None,
         seq_len: int | None = None,
@@ -120,8 +132,15 @@ class ParallelDims:
                 f"{KEYS['pp']}={self.pp} x {stages_per_rank} stage(s) per rank exceeds the "
                 f"model's {n_layers} layers"
             )
+        if self.ep > 1 and num_experts is None:
+            problems.append(f"{KEYS['ep']}={self.ep}: the model has no MoE layers to split")
         if num_experts is not None and self.ep > 1 and num_experts % self.ep:
             problems.append(f"{KEYS['ep']}={self.ep} does not divide the {num_experts} experts")
+        if expert_hidden is not None and self.etp > 1 and expert_hidden % self.etp:
+            problems.append(
+                f"{KEYS['etp']}={self.etp} does not divide the experts' hidden width "
+                f"{expert_hidden}"
+            )
         if global_batch_size is not None and global_batch_size % self.dp:
             problems.append(
                 f"training.global_batch_size={global_batch_size} is not divisible by the data "
@@ -140,6 +159,29 @@ class ParallelDims:
         dims = [(n, getattr(self, n)) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
         dims = [(n, d) for n, d in dims if d > 1] or [("dp_shard", 1)]
         return tuple(d for _, d in dims), tuple(n for n, _ in dims)
+
+    def expert_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The experts' mesh: the world mesh with ``dp_shard`` split into ``efsdp x ep``
+        (``ep`` inner; both kept even when 1)."""
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("efsdp", self.dp_shard // self.ep),
+            ("ep", self.ep),
+            ("tp", self.tp),
+        ]
+        dims = [(n, d) for n, d in dims if d > 1 or n in ("efsdp", "ep")]
+        return tuple(d for _, d in dims), tuple(n for n, _ in dims)
+
+    def build_expert_mesh(self, device_type: str = "cpu"):
+        """The experts' ``DeviceMesh`` over the same ranks as :meth:`build_mesh`'s (see
+        :meth:`expert_mesh_shape`); None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        import hp_dtensor as hp
+
+        shape, names = self.expert_mesh_shape()
+        return hp.init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     def build_mesh(self, device_type: str = "cpu"):
         """The world ``DeviceMesh`` with named dimensions plus flattened ``dp`` (dp_replicate x

@@ -60,6 +60,7 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
     from hp_dtensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -75,15 +76,30 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
         top["norm"] = SequenceParallel()
     if top:
         parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        plan = {
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(hp.Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
+    for block in _blocks(model):
+        if getattr(block, "moe", None) is not None:
+            # the MoE takes the whole sequence on every tp rank (gathered under sequence
+            # parallelism) and gives back this rank's part: its experts are split over tp by
+            # ExpertTensorParallel / TensorParallel, or run whole on each rank (etp = 1)
+            plan = {
+                "moe": PrepareModuleInputOutput(
+                    input_layouts=(seq,),
+                    desired_input_layouts=(hp.Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(hp.Replicate(),),
+                    desired_output_layouts=(seq,),
+                    use_local_output=True,
+                )
+            }
+        else:
+            plan = {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(hp.Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            }
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -105,6 +121,20 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
                 head_local(conv, tp_mesh, shard={"weight": 0})
             head_local(gdn.norm, tp_mesh, replicate=("weight",))
             continue
+        if hasattr(block.attention, "wkv_b"):  # DeepSeek's MLA: heads split, latents whole
+            att = block.attention
+            plan.update(
+                {
+                    "attention": enter,
+                    ("attention.wq_b" if hasattr(att, "wq_b") else "attention.wq"): (
+                        ColwiseParallel()
+                    ),
+                    "attention.wkv_b": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(output_layouts=seq),
+                }
+            )
+            parallelize_module(block, tp_mesh, plan)
+            continue
         plan.update(
             {
                 "attention": enter,
@@ -118,6 +148,38 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the main stack's, then DeepSeek's MTP modules' blocks."""
+    blocks = list(model.layers.values())
+    if getattr(model, "mtp", None) is not None:
+        blocks += [m.block for m in model.mtp]
+    return blocks
+
+
+def _expert_parallel(model: nn.Module, parallel_dims: ParallelDims, mesh, expert_mesh) -> list:
+    """Experts over ``ep`` (``ExpertParallel``), their hidden width over ``tp`` when ``etp > 1``
+    (``ExpertTensorParallel`` / ``TensorParallel``). Returns the MoE layers."""
+    from hp_dtensor.parallel import parallelize_module
+    from hp_moe import ExpertParallel, ExpertTensorParallel, TensorParallel
+
+    pd = parallel_dims
+    moes = [b.moe for b in _blocks(model) if getattr(b, "moe", None) is not None]
+    for moe in moes:
+        if pd.ep > 1 and pd.etp > 1:
+            parallelize_module(moe, expert_mesh["ep", "tp"], {"experts": ExpertTensorParallel()})
+        elif pd.ep > 1:
+            parallelize_module(moe, expert_mesh["ep"], {"experts": ExpertParallel()})
+        elif pd.etp > 1:
+            parallelize_module(moe, mesh["tp"], {"experts": TensorParallel()})
+    return moes
+
+
+def _scale_grads(params, factor: float) -> None:
+    """Multiply these parameters' gradients by ``factor`` as they are accumulated."""
+    for p in params:
+        p.register_hook(lambda g, f=factor: g * f)
 
 
 def head_local(
@@ -166,7 +228,7 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
     from hp_offload import CheckpointPolicy, checkpoint
 
     policy = CheckpointPolicy(mode=mode)
-    for block in model.layers.values():
+    for block in _blocks(model):
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
@@ -180,18 +242,26 @@ def parallelize_llama(
     *,
     parallel_dims: ParallelDims,
     mesh=None,
+    expert_mesh=None,
     config: ParallelizeConfig | None = None,
 ) -> nn.Module:
-    """Parallelize a Llama 3 / Qwen3 :class:`Transformer` in place, in this order:
+    """Parallelize a :class:`Transformer` (Llama 3, Qwen3(-MoE), Qwen3.5(-MoE), DeepSeek-V3)
+    in place, in torchtitan's order:
 
     1. tensor parallelism over ``tp`` (attention heads and the feed-forward width split;
-       with ``sequence_parallel`` the norms run on sequence shards);
-    2. activation checkpointing per block (``config.activation_checkpoint``);
-    3. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
-       group, then the root.
+       with ``sequence_parallel`` the norms run on sequence shards; a MoE takes the whole
+       sequence);
+    2. expert parallelism: experts over ``ep`` of the ``dp_shard`` ranks, their hidden width
+       over ``tp`` when ``etp > 1``;
+    3. activation checkpointing per block (``config.activation_checkpoint``);
+    4. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
+       group, then the root; each MoE's experts first form a group of their own over the
+       experts' data-parallel ranks (``efsdp``), with their gradients scaled by ``1 / ep``
+       (an expert's gradient sums the tokens of all ``ep`` ranks).
 
-    ``mesh`` defaults to ``parallel_dims.build_mesh()`` on the model's device type. Check the
-    model against the degrees first (``parallel_dims.check_model``). Returns the model.
+    ``mesh`` defaults to ``parallel_dims.build_mesh()`` on the model's device type, and
+    ``expert_mesh`` to ``parallel_dims.build_expert_mesh()``. Check the model against the
+    degrees first (``parallel_dims.check_model``). Returns the model.
     """
     from hp_fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -202,6 +272,8 @@ def parallelize_llama(
         n_kv_heads=cfg.n_kv_heads,
         n_layers=cfg.n_layers,
         ffn_hidden=cfg.ffn_hidden,
+        num_experts=cfg.moe.num_experts if cfg.moe is not None else None,
+        expert_hidden=cfg.moe.hidden_dim if cfg.moe is not None else None,
         linear_heads=(
             (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
             if cfg.architecture == "qwen3_5"
@@ -212,25 +284,52 @@ def parallelize_llama(
         if config.activation_checkpoint != "none":
             apply_activation_checkpoint(model, config.activation_checkpoint)
         return model
+    pd = parallel_dims
+    device_type = next(model.parameters()).device.type
     if mesh is None:
-        mesh = parallel_dims.build_mesh(next(model.parameters()).device.type)
-    if parallel_dims.tp > 1:
+        mesh = pd.build_mesh(device_type)
+    if expert_mesh is None and pd.ep > 1:
+        expert_mesh = pd.build_expert_mesh(device_type)
+    if pd.tp > 1:
         _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree
+    moes = _expert_parallel(model, pd, mesh, expert_mesh) if cfg.moe is not None else []
     if config.activation_checkpoint != "none":
         apply_activation_checkpoint(model, config.activation_checkpoint)
     fsdp_mesh = dp_mesh(mesh, parallel_dims)
+    mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    ignored = []
+    if pd.ep > 1:
+        if pd.etp > 1:  # each expert already split over ep x tp: no data-parallel copies
+            ignored = [p for moe in moes for p in moe.experts.parameters()]
+            _scale_grads(ignored, 1.0 / pd.ep)
+        else:
+            names = ("dp_replicate", "efsdp") if pd.dp_replicate > 1 else ("efsdp",)
+            for moe in moes:
+                experts = fully_shard(
+                    moe.experts,
+                    mesh=expert_mesh[names],
+                    mp_policy=mp,
+                    reshard_after_forward=config.reshard_after_forward,
+                )
+                experts.set_gradient_scaling_factor(1.0 / pd.ep)
     if fsdp_mesh is not None:
-        mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-        for block in model.layers.values():
+        for block in _blocks(model):
             fully_shard(
                 block,
                 mesh=fsdp_mesh,
                 mp_policy=mp,
                 reshard_after_forward=config.reshard_after_forward,
+                ignored_params=ignored,
             )
         # the root keeps its parameters after forward (backward needs them first), as
         # torchtitan's root does; False still means "never reshard"
         root_raf = None if config.reshard_after_forward is True else config.reshard_after_forward
-        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=root_raf)
+        fully_shard(
+            model,
+            mesh=fsdp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=root_raf,
+            ignored_params=ignored,
+        )
     return model

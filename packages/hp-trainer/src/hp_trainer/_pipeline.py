@@ -34,6 +34,16 @@ def layer_ranges(cfg, n_stages: int, seq_len: int | None = None) -> list[tuple[i
     block = (cfg.num_params(embeddings=False) - cfg.dim) / n
     costs = [6 * block + 12 * cfg.dim * seq] * n
     memory = [block] * n
+    if cfg.moe is not None:  # a MoE block computes with its active experts, holds them all
+        moe = cfg.moe
+        dense = cfg.replace(moe=None, mtp_layers=0)
+        dense_block = (dense.num_params(embeddings=False) - cfg.dim) / n
+        swap = moe.num_params(cfg.dim, active=True) - 3 * cfg.dim * cfg.ffn_hidden
+        total = moe.num_params(cfg.dim) - 3 * cfg.dim * cfg.ffn_hidden
+        for i in range(n):
+            active = dense_block + (swap if moe.is_moe(i) else 0)
+            costs[i] = 6 * active + 12 * cfg.dim * seq
+            memory[i] = dense_block + (total if moe.is_moe(i) else 0)
     costs[-1] += 6 * cfg.vocab_size * cfg.dim  # the output projection
     memory[0] += cfg.vocab_size * cfg.dim
     memory[-1] += cfg.vocab_size * cfg.dim
@@ -88,6 +98,7 @@ def pipeline_llama(
     *,
     parallel_dims: ParallelDims,
     mesh,
+    expert_mesh=None,
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable,
@@ -130,7 +141,9 @@ def pipeline_llama(
         if placement[s] == rank:
             lo, hi = ranges[s]
             mod = split_stage(model, lo, hi, s == 0, s == n_stages - 1)
-            mods[s] = parallelize_llama(mod, parallel_dims=parallel_dims, mesh=mesh, config=config)
+            mods[s] = parallelize_llama(
+                mod, parallel_dims=parallel_dims, mesh=mesh, expert_mesh=expert_mesh, config=config
+            )
     group = mesh.get_group("pp")
     stages = [
         PipelineStage(mods[s], s, n_stages, device=device, group=group, cuda_graphs=cuda_graphs)

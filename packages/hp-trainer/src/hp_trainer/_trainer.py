@@ -50,8 +50,32 @@ def _model_config(cfg: JobConfig) -> TransformerConfig:
         import json
 
         hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-        return TransformerConfig.from_hf(hf, max_seq_len=cfg.training.seq_len)
-    return get_config(cfg.model.name, max_seq_len=cfg.training.seq_len)
+        mc = TransformerConfig.from_hf(hf, max_seq_len=cfg.training.seq_len)
+    else:
+        mc = get_config(cfg.model.name, max_seq_len=cfg.training.seq_len)
+    return _moe_overrides(mc, cfg)
+
+
+def _moe_overrides(mc: TransformerConfig, cfg: JobConfig) -> TransformerConfig:
+    """The ``[moe]`` section applied to the model's MoE configuration."""
+    m = cfg.moe
+    changes = {}
+    if m.aux_loss_coeff >= 0:
+        changes["aux_loss_coeff"] = m.aux_loss_coeff
+    if m.aux_loss_type:
+        changes["aux_loss_type"] = m.aux_loss_type
+    if m.load_balance_coeff >= 0:
+        changes["load_balance_coeff"] = m.load_balance_coeff or None
+    if m.capacity_factor > 0:
+        changes["capacity_factor"] = m.capacity_factor
+    if not changes:
+        return mc
+    if mc.moe is None:
+        raise ConfigError(
+            f"moe.{next(iter(changes))}: model {cfg.model.name!r} has no MoE layers; drop the "
+            "[moe] section"
+        )
+    return mc.replace(moe=mc.moe.replace(**changes))
 
 
 def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, TransformerConfig]:
@@ -70,16 +94,25 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         world_size=world_size,
     )
     mc = _model_config(cfg)
+    moe = mc.moe
     pd.check_model(
         n_heads=mc.n_heads,
         n_kv_heads=mc.n_kv_heads,
         n_layers=mc.n_layers,
         ffn_hidden=mc.ffn_hidden,
+        num_experts=moe.num_experts if moe is not None else None,
+        expert_hidden=moe.hidden_dim if moe is not None else None,
         linear_heads=_linear_heads(mc),
         global_batch_size=t.global_batch_size,
         seq_len=t.seq_len,
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
     )
+    if mc.mtp_layers and pd.pp > 1:
+        raise ConfigError(
+            f"model {cfg.model.name!r} has {mc.mtp_layers} multi-token prediction module(s), "
+            "which need the embedding and the output head on one stage: set "
+            "parallelism.pipeline_parallel_degree = 1, or a model with mtp_layers = 0"
+        )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
             raise ConfigError(
@@ -108,6 +141,12 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
     return pd, mc
 
 
+def _layer_key(stat: dict) -> tuple:
+    """Sort MoE layers by their position: ``layers.10`` after ``layers.9``, MTP last."""
+    parts = stat["layer"].split(".")
+    return (parts[0] != "layers", *(int(p) if p.isdigit() else 0 for p in parts[1:2]))
+
+
 def _linear_heads(mc) -> tuple[int, int] | None:
     """Qwen3.5's Gated DeltaNet (key, value) head counts, which tensor parallelism splits."""
     if mc.architecture != "qwen3_5":
@@ -134,14 +173,7 @@ class LLMTrainer:
         )
         self.parallel_dims, self.model_config = preflight(cfg, world)
         pd, mc = self.parallel_dims, self.model_config
-        unsupported = [
-            k
-            for k, v in (
-                ("context_parallel_degree", pd.cp),
-                ("expert_parallel_degree", pd.ep),
-            )
-            if v > 1
-        ]
+        unsupported = [k for k, v in (("context_parallel_degree", pd.cp),) if v > 1]
         if unsupported:
             raise ConfigError(
                 f"parallelism.{unsupported[0]} > 1 is not supported by LLMTrainer yet; use "
@@ -190,12 +222,15 @@ class LLMTrainer:
         torch.manual_seed(t.seed)
         # -- model ----------------------------------------------------------------------------
         if cfg.model.hf_path:
-            model = from_pretrained(cfg.model.hf_path, device=self.device, max_seq_len=t.seq_len)
+            model = from_pretrained(
+                cfg.model.hf_path, device=self.device, max_seq_len=t.seq_len, config=mc
+            )
         else:
             with torch.device(self.device):
                 model = Transformer(mc)
         single = world == 1 and not dist.is_initialized()
         self.mesh = None if single else pd.build_mesh(self.device.type)
+        self.expert_mesh = None if single else pd.build_expert_mesh(self.device.type)
         pconf = ParallelizeConfig(
             sequence_parallel=p.sequence_parallel,
             activation_checkpoint=cfg.activation_checkpoint.mode,
@@ -210,6 +245,7 @@ class LLMTrainer:
                 model,
                 parallel_dims=pd,
                 mesh=self.mesh,
+                expert_mesh=self.expert_mesh,
                 schedule=p.pipeline_schedule,
                 n_microbatches=self.pipeline_microbatches,
                 loss_fn=_loss,
@@ -221,7 +257,9 @@ class LLMTrainer:
             self.has_first = "0" in self.model.stages
             self.has_last = str(n_stages - 1) in self.model.stages
         else:
-            self.model = parallelize_llama(model, parallel_dims=pd, mesh=self.mesh, config=pconf)
+            self.model = parallelize_llama(
+                model, parallel_dims=pd, mesh=self.mesh, expert_mesh=self.expert_mesh, config=pconf
+            )
         self.dp_rank = 0
         if self.mesh is not None:
             names, coord = self.mesh.mesh_dim_names, self.mesh.get_coordinate()
@@ -231,6 +269,9 @@ class LLMTrainer:
         self.optimizer = AdamW(
             self.model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay
         )
+        self.moe_group = None  # the ranks whose MoE layers saw different tokens
+        if mc.moe is not None:
+            self._setup_moe()
         self.scheduler = get_hyper_lr_scheduler(
             self.optimizer,
             {
@@ -263,6 +304,40 @@ class LLMTrainer:
             if latest is not None:
                 self.load_checkpoint(latest)
         self._pending = None
+
+    def _setup_moe(self) -> None:
+        """Balance statistics over the data-parallel ranks of this stage, summed over the whole
+        step (the expert bias moves in an optimizer pre-step hook); the balance and MTP losses'
+        gradients scaled as the main loss is (divided over the microbatches)."""
+        import hp_moe
+
+        if self.mesh is not None and self.parallel_dims.dp > 1:
+            present = [n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names]
+            sub = self.mesh["dp"] if len(present) == 2 else self.mesh[present[0]]
+            self.moe_group = sub.get_group()
+        hp_moe.register_expert_bias_update(self.optimizer, self.model, group=self.moe_group)
+        n = self.pipeline_microbatches if self.schedule is not None else self.micro_batches
+        hp_moe.set_aux_loss_scale(self.model, 1.0 / n)
+        for m in self.model.modules():
+            if isinstance(m, Transformer):
+                m.mtp_loss_scale = 1.0 / n
+
+    def moe_statistics(self) -> list[dict]:
+        """Every MoE layer's statistics of the step so far (``hp_moe.moe_statistics``; the
+        balance loss as the mean over the step's microbatches), by full layer name. Collective
+        over the data-parallel ranks and the pipeline stages: every rank gets every layer's."""
+        import hp_moe
+
+        stats = hp_moe.moe_statistics(self.model, group=self.moe_group)
+        n = self.pipeline_microbatches if self.schedule is not None else self.micro_batches
+        for st in stats:  # a pipeline stage's modules are "stages.<s>.layers...."
+            st["layer"] = re.sub(r"^stages\.\d+\.", "", st["layer"]).removesuffix(".moe")
+            st["aux_loss"] /= n  # the step's sum over its forwards: their mean
+        if self.schedule is not None:
+            parts: list = [None] * self.parallel_dims.pp
+            dist.all_gather_object(parts, stats, group=self.mesh.get_group("pp"))
+            stats = sorted((s for part in parts for s in part), key=lambda s: _layer_key(s))
+        return stats
 
     # -- checkpoints --------------------------------------------------------------------------
     def state(self) -> dict:
@@ -367,6 +442,7 @@ class LLMTrainer:
                 total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self._clip(params, t.max_norm)
+        moe = self.moe_statistics() if self.model_config.moe is not None else None
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -378,7 +454,7 @@ class LLMTrainer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = t.global_batch_size * t.seq_len
-        return {
+        out = {
             "loss": loss_v,
             "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
             "lr": float(lr),
@@ -387,6 +463,9 @@ class LLMTrainer:
             "memory_gib": self._memory_gib(),
             "step_time_s": dt,
         }
+        if moe is not None:
+            out["moe"] = moe
+        return out
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         if self.device.type != "cuda":

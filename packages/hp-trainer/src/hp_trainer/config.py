@@ -24,6 +24,7 @@ __all__ = [
     "Job",
     "JobConfig",
     "Metrics",
+    "MoE",
     "Model",
     "Parallelism",
     "Training",
@@ -79,6 +80,17 @@ class Parallelism:
 
 
 @dataclass
+class MoE:
+    """Load balancing of the model's MoE layers (``hp_moe.MoE``). Each field left at its
+    default keeps the model configuration's own value."""
+
+    aux_loss_coeff: float = -1.0  # < 0: the model's; 0: no auxiliary loss
+    aux_loss_type: str = ""  # "": the model's; "sequence", "batch" or "global"
+    load_balance_coeff: float = -1.0  # < 0: the model's; 0: no expert-bias balancing
+    capacity_factor: float = 0.0  # 0: the model's (dropless unless it caps); > 0: capacity
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: str = "none"  # "none", "full" or "selective"
 
@@ -114,6 +126,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
@@ -254,5 +267,13 @@ def _check(cfg: JobConfig) -> None:
             f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: use none, full or "
             "selective"
         )
+    m = cfg.moe
+    if m.aux_loss_type not in ("", "sequence", "batch", "global"):
+        problems.append(
+            f"moe.aux_loss_type={m.aux_loss_type!r}: use sequence, batch or global (or leave "
+            "it out for the model's)"
+        )
+    if m.capacity_factor < 0:
+        problems.append(f"moe.capacity_factor={m.capacity_factor}: must be 0 (dropless) or > 0")
     if problems:
         raise ConfigError("\n".join(problems))

@@ -45,17 +45,22 @@ def _world_from(cfg) -> int:
 def run(argv: list[str] | None = None) -> list[float]:
     """One rank's job (what torchrun starts): train and report where the outputs went."""
     from ._trainer import LLMTrainer
-    from .callbacks import LoggingCallback
+    from .callbacks import LoggingCallback, MoeMonitorCallback
 
     args, overrides = _parse(argv)
     cfg = load_config(args.config, overrides)
-    log = LoggingCallback(
-        log_freq=cfg.metrics.log_freq, tensorboard=cfg.metrics.tensorboard, plot=cfg.metrics.plot
-    )
-    trainer = LLMTrainer(cfg, callbacks=[log])
+    m = cfg.metrics
+    log = LoggingCallback(log_freq=m.log_freq, tensorboard=m.tensorboard, plot=m.plot)
+    callbacks = [log]
+    monitor = None
+    trainer = LLMTrainer(cfg, callbacks=callbacks)
+    if trainer.model_config.moe is not None:
+        monitor = MoeMonitorCallback(log_freq=m.log_freq, tensorboard=m.tensorboard, plot=m.plot)
+        trainer.callbacks.append(monitor)
     losses = trainer.train()
     if trainer.rank == 0:
-        for what, path in sorted(log.paths.items()):
+        paths = {**log.paths, **(monitor.paths if monitor is not None else {})}
+        for what, path in sorted(paths.items()):
             print(f"{what}: {path}", flush=True)
     import torch.distributed as dist
 
@@ -65,7 +70,7 @@ def run(argv: list[str] | None = None) -> list[float]:
     # drop the trainer (its meshes hold process groups, in reference cycles) now, not in the
     # interpreter's final teardown: a gloo group destroyed there aborted a process now and then
     # (as hp_kernels' workspaces once did)
-    del trainer, log
+    del trainer, log, monitor, callbacks
     gc.collect()
     return losses
 

@@ -104,3 +104,62 @@ def test_collectives_and_linear_heads_checks(tmp_path):
     )
     with pytest.raises(ConfigError, match="does not divide the model's 2 linear-attention key"):
         preflight(cfg, 4)
+
+
+def test_moe_section_and_its_checks(tmp_path):
+    from hp_trainer._trainer import preflight
+
+    cfg = load_config(
+        None,
+        [
+            "--model.name",
+            "deepseek-v3-tiny",
+            "--moe.aux_loss_coeff",
+            "0.01",
+            "--moe.aux_loss_type",
+            "global",
+            "--moe.load_balance_coeff",
+            "0",
+            "--moe.capacity_factor",
+            "1.25",
+        ],
+    )
+    _, mc = preflight(cfg, 1)
+    assert mc.moe.aux_loss_coeff == 0.01 and mc.moe.aux_loss_type == "global"
+    assert mc.moe.load_balance_coeff is None and mc.moe.capacity_factor == 1.25
+    _, kept = preflight(load_config(None, ["--model.name", "deepseek-v3-tiny"]), 1)
+    assert kept.moe.load_balance_coeff == 1e-3 and kept.moe.aux_loss_coeff == 0.0
+    with pytest.raises(ConfigError, match="moe.aux_loss_type='token'"):
+        load_config(None, ["--moe.aux_loss_type", "token"])
+    with pytest.raises(ConfigError, match="model 'llama3-tiny' has no MoE layers"):
+        preflight(load_config(None, ["--moe.aux_loss_coeff", "0.1"]), 1)
+    with pytest.raises(ConfigError, match="multi-token prediction module"):
+        preflight(
+            load_config(
+                None,
+                [
+                    "--model.name",
+                    "deepseek-v3-tiny",
+                    "--parallelism.pipeline_parallel_degree",
+                    "2",
+                    "--parallelism.data_parallel_shard_degree",
+                    "1",
+                ],
+            ),
+            2,
+        )
+    with pytest.raises(ConfigError, match="does not divide the 8 experts"):
+        preflight(
+            load_config(
+                None,
+                [
+                    "--model.name",
+                    "qwen3-moe-tiny",
+                    "--parallelism.expert_parallel_degree",
+                    "3",
+                    "--parallelism.data_parallel_shard_degree",
+                    "3",
+                ],
+            ),
+            3,
+        )

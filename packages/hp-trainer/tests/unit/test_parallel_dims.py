@@ -59,3 +59,40 @@ def test_pipeline_stages_balanced_with_the_output_cost():
     assert layer_ranges(get_config("llama3-tiny"), 2) == [(0, 1), (1, 2)]
     with pytest.raises(ConfigError, match="4 pipeline stages for 2 layers"):
         layer_ranges(get_config("llama3-tiny"), 4)
+
+
+def test_expert_parallel_degrees():
+    pd = ParallelDims(dp_shard=4, ep=2, world_size=4)
+    assert pd.expert_mesh_shape() == ((2, 2), ("efsdp", "ep"))
+    pd = ParallelDims(pp=2, tp=2, dp_shard=2, ep=2, etp=2, world_size=8)
+    assert pd.expert_mesh_shape() == ((2, 1, 2, 2), ("pp", "efsdp", "ep", "tp"))
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(dp_shard=2, tp=2, ep=4, world_size=4)
+    assert "expert_parallel_degree=4 must divide parallelism.data_parallel_shard_degree = 2" in (
+        str(e.value)
+    )
+    with pytest.raises(ConfigError, match="shards each expert over ep x tp already"):
+        ParallelDims(dp_shard=4, tp=2, ep=2, etp=2, world_size=8)
+    with pytest.raises(ConfigError, match="context_parallel_degree=2 is not supported"):
+        ParallelDims(dp_shard=2, cp=2, ep=2, world_size=4)
+    pd = ParallelDims(dp_shard=4, ep=2, tp=1, world_size=4)
+    with pytest.raises(ConfigError) as e:
+        pd.check_model(n_heads=4, n_kv_heads=2, n_layers=2, num_experts=7)
+    assert "expert_parallel_degree=2 does not divide the 7 experts" in str(e.value)
+    with pytest.raises(ConfigError, match="the model has no MoE layers to split"):
+        pd.check_model(n_heads=4, n_kv_heads=2, n_layers=2)
+    pd = ParallelDims(dp_shard=2, tp=2, etp=2, world_size=4)
+    with pytest.raises(ConfigError, match="does not divide the experts' hidden width 5"):
+        pd.check_model(n_heads=4, n_kv_heads=2, n_layers=2, num_experts=4, expert_hidden=5)
+
+
+def test_moe_pipeline_stages_weigh_active_compute():
+    from hp_trainer._pipeline import layer_ranges
+    from hp_trainer.models import get_config
+
+    # DeepSeek-V3: 3 dense blocks, then 58 MoE blocks holding 256 experts but computing 9
+    cfg = get_config("deepseek-v3-671b", mtp_layers=0)
+    ranges = layer_ranges(cfg, 8)
+    sizes = [hi - lo for lo, hi in ranges]
+    assert sum(sizes) == 61 and ranges[-1][1] == 61
+    assert max(sizes) - min(sizes) <= 3

@@ -258,18 +258,23 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     max_seq_len: int | None = None,
+    config: TransformerConfig | None = None,
 ) -> Transformer:
     """Build our model from a local HuggingFace folder (``config.json`` + safetensors) of a
     Llama, Qwen3, Qwen3-MoE, Qwen3.5(-MoE) or DeepSeek-V3 checkpoint. The model is created on
     the meta device, materialised on ``device`` (default CPU) and filled from the files by byte
     range, every tensor straight into its place (routed experts one row at a time); ``dtype``
     casts it. DeepSeek-V3's multi-token prediction modules are read when the folder has them
-    (transformers saves none: they keep their initialisation then)."""
+    (transformers saves none: they keep their initialisation then). ``config``: build this
+    configuration instead of the folder's (the same shapes; other training settings, such as
+    the MoE balancing, may differ)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ConfigError(f"from_pretrained: {str(path)!r} has no config.json")
-    cfg = TransformerConfig.from_hf(json.loads(cfg_file.read_text()), max_seq_len=max_seq_len)
+    cfg = config or TransformerConfig.from_hf(
+        json.loads(cfg_file.read_text()), max_seq_len=max_seq_len
+    )
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -1,0 +1,104 @@
+"""LLMTrainer with the shipped MoE configurations on 4 CPU ranks: DeepSeek-V3 EP 2 x FSDP 2
+(MLA, MTP, expert bias, sequence-wise balance loss), Qwen3-MoE PP 2 x EP 2 (1F1B) and
+Qwen3.5-MoE EP 2 x TP 2 (expert tensor parallelism) give the one-process losses (rtol 1e-4)
+over 20 steps with clipping and the LR schedule; a run killed after a checkpoint resumes with
+the uninterrupted run's next losses; the expert-load plot is written."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_testing.pytest_plugin import rank_pool_fixture
+from hp_trainer import Callback, LLMTrainer, MoeMonitorCallback, load_config
+
+pool = rank_pool_fixture(4, timeout=300)
+CONFIGS = Path(__file__).parents[2] / "configs"
+SHIPPED = {
+    "deepseek_v3_ep2_fsdp2": "deepseek_v3_tiny_ep2_fsdp2.toml",
+    "qwen3_moe_pp2_ep2": "qwen3_moe_tiny_pp2_ep2.toml",
+    "qwen3_5_moe_ep2_tp2": "qwen3_5_moe_tiny_ep2_tp2.toml",
+}
+FAST = [
+    "--training.seq_len",
+    "16",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "20",
+    "--checkpoint.interval",
+    "8",
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "100",
+]
+# the same job on one process: every parallelism degree back to 1
+ONE = [
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--parallelism.tensor_parallel_degree",
+    "1",
+    "--parallelism.pipeline_parallel_degree",
+    "1",
+    "--parallelism.expert_parallel_degree",
+    "1",
+    "--parallelism.expert_tensor_parallel_degree",
+    "1",
+]
+
+
+def _run(config, dump, extra=(), kill_at=None):
+    class Kill(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == kill_at:
+                raise KeyboardInterrupt
+
+    cfg = load_config(CONFIGS / config, [*FAST, "--job.dump_folder", dump, *extra])
+    monitor = MoeMonitorCallback(log_freq=100, tensorboard=False)
+    trainer = LLMTrainer(cfg, callbacks=[Kill(), monitor])
+    try:
+        losses = trainer.train()
+    except KeyboardInterrupt:
+        return None
+    return losses, {k: str(v) for k, v in monitor.paths.items()}, trainer.moe_statistics()
+
+
+def _pipeline_one_process(config):
+    """PP's one-process equivalent splits each rank's batch in the same microbatches: the
+    balance loss (per sequence) and the gradients then match; local_batch_size mirrors the
+    pipeline's microbatches."""
+    if "pp2" in config:
+        return ["--training.local_batch_size", "1"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    out = {}
+    for name, config in SHIPPED.items():
+        dump = str(tmp_path_factory.mktemp(name))
+        out[name] = _run(config, dump, [*ONE, *_pipeline_one_process(config)])[0]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_moe_config_matches_one_process(pool, tmp_path, references, name):
+    ref = references[name]
+    assert ref[-1] < ref[0]
+    results = pool.run(_run, SHIPPED[name], str(tmp_path / "run"))
+    for losses, _paths, stats in results:
+        torch.testing.assert_close(losses, ref, rtol=1e-4, atol=0)
+        assert stats and all(len(s["tokens"]) == 8 for s in stats)
+    paths = results[0][1]
+    assert Path(paths["expert_load"]).exists()  # rank 0 wrote the heat map
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_ep2_fsdp2", "qwen3_moe_pp2_ep2"])
+def test_moe_kill_and_resume(pool, tmp_path, name):
+    config = SHIPPED[name]
+    straight = pool.run(_run, config, str(tmp_path / "a"))[0][0]
+    assert pool.run(_run, config, str(tmp_path / "b"), (), 10) == [None] * 4  # killed at 10
+    resumed = pool.run(_run, config, str(tmp_path / "b"))  # from the checkpoint at step 8
+    for losses, _, _ in resumed:
+        assert losses == straight
