@@ -102,3 +102,45 @@ def test_moe_kill_and_resume(pool, tmp_path, name):
     resumed = pool.run(_run, config, str(tmp_path / "b"))  # from the checkpoint at step 8
     for losses, _, _ in resumed:
         assert losses == straight
+
+
+def _train_and_export(path):
+    """Train a few steps at EP 2 x FSDP 2, export with save_pretrained (collective), and return
+    the sharded model's logits on fixed tokens."""
+    from hp_trainer.models import save_pretrained
+
+    cfg = load_config(
+        CONFIGS / SHIPPED["deepseek_v3_ep2_fsdp2"],
+        [
+            *FAST,
+            "--training.steps",
+            "3",
+            "--checkpoint.enable",
+            "false",
+            "--job.dump_folder",
+            path + "_dump",
+        ],
+    )
+    trainer = LLMTrainer(cfg)
+    trainer.train()
+    save_pretrained(trainer.model, path)
+    trainer.model.eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return trainer.model(ids)
+
+
+def test_trained_sharded_model_loads_in_transformers(pool, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hp_trainer.models import from_pretrained
+
+    path = str(tmp_path / "hf")
+    logits = pool.run(_train_and_export, path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ours = from_pretrained(path).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
+    for got in logits:  # the export holds the trained, sharded model's weights
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

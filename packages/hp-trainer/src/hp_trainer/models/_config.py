@@ -528,7 +528,15 @@ class TransformerConfig:
             "rms_norm_eps": self.norm_eps,
             "rope_parameters": rope,
             "rope_interleave": self.rope_interleave,
-            "max_position_embeddings": self.max_seq_len,
+            # YaRN's extended context (transformers checks it against factor x original)
+            "max_position_embeddings": (
+                int(
+                    self.rope_scaling["factor"]
+                    * self.rope_scaling["original_max_position_embeddings"]
+                )
+                if self.rope_scaling
+                else self.max_seq_len
+            ),
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
             "num_nextn_predict_layers": self.mtp_layers,
