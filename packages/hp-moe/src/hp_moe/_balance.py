@@ -254,7 +254,7 @@ def update_expert_bias(model: nn.Module, *, group: Any = None) -> None:
     delta.mean()``, ``expert_bias += delta``; the counts are zeroed. It also starts a new step
     for ``aux_loss_type="global"``. The counts of all layers go in one all-reduce."""
     moes = list(_moe_modules(model))
-    biased = [m for m in moes if m.load_balance_coeff is not None]
+    biased = [m for m in moes if m.load_balance_coeff]  # 0: the bias stays as it is
     if biased:
         flat = torch.cat([m.tokens_per_expert.float() for m in biased])
         if group is not None and hp.get_platform(flat.device.type).get_world_size(group) > 1:

@@ -43,7 +43,8 @@ class MoE(nn.Module):
     - ``load_balance_coeff``: auxiliary-loss-free balancing (DeepSeek-V3). Buffers
       ``expert_bias`` (persistent, added to the scores only to choose experts) and
       ``tokens_per_expert`` (counts of the step); ``update_expert_bias`` (or the optimizer hook
-      of ``register_expert_bias_update``) moves the bias once per step.
+      of ``register_expert_bias_update``) moves the bias once per step. ``0`` keeps the bias
+      (loaded from a checkpoint, say) fixed: it still routes, it is never moved.
     - ``aux_loss_coeff`` > 0: a balance loss ``sum_i f_i P_i`` (``f_i``: the share of routed
       copies that chose expert ``i``, times ``E``; ``P_i``: the mean probability of ``i``)
       attached to the output with ``MoEAuxLossAutoScaler``. ``aux_loss_type``: ``"sequence"``
@@ -137,6 +138,17 @@ class MoE(nn.Module):
         #: multiplies the auxiliary loss's gradient (set_aux_loss_scale: 1 / microbatches
         #: when the main loss is divided so)
         self.aux_loss_scale = 1.0
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero the expert bias and the step statistics in place: a model built on the meta
+        device and materialised with ``to_empty`` holds garbage in them until then (its
+        parameters are initialised by their modules' ``reset_parameters``)."""
+        for name in ("expert_bias", "tokens_per_expert", "dropped_tokens", "aux_loss_total"):
+            buf = getattr(self, name)
+            if buf is not None:
+                buf.zero_()
+        self.global_counts.zero_()
 
     @property
     def balance_group(self):
@@ -237,10 +249,12 @@ class MoE(nn.Module):
 def _check_balance(shared, lb_coeff, aux_coeff, aux_type, capacity_factor) -> None:
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise MoEConfigError(f"num_shared_experts={shared!r} must be an int >= 0")
-    if lb_coeff is not None and (not isinstance(lb_coeff, (int, float)) or lb_coeff <= 0):
+    if lb_coeff is not None and (
+        not isinstance(lb_coeff, (int, float)) or isinstance(lb_coeff, bool) or lb_coeff < 0
+    ):
         raise MoEConfigError(
-            f"load_balance_coeff={lb_coeff!r} must be a positive number (None turns the "
-            f"expert-bias balancing off)"
+            f"load_balance_coeff={lb_coeff!r} must be a number >= 0 (0 keeps the expert bias "
+            f"fixed; None: no expert bias)"
         )
     if not isinstance(aux_coeff, (int, float)) or aux_coeff < 0:
         raise MoEConfigError(f"aux_loss_coeff={aux_coeff!r} must be a number >= 0 (0: no loss)")

@@ -135,7 +135,7 @@ def test_route_norm_and_scale():
         (dict(capacity_factor=0.0), "capacity_factor=0.0 must be a positive"),
         (dict(capacity_factor=-1), "capacity_factor=-1 must be a positive"),
         (dict(aux_loss_type="token"), "aux_loss_type='token'"),
-        (dict(load_balance_coeff=0), "load_balance_coeff=0"),
+        (dict(load_balance_coeff=-0.1), "load_balance_coeff=-0.1 must be a number >= 0"),
         (dict(num_expert_groups=4, num_limited_groups=1, top_k=3), "top_k=3 exceeds the 2"),
     ],
 )
@@ -355,6 +355,31 @@ def test_update_expert_bias_rule_and_hook():
     opt.step()
     d = 0.1 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(moe.expert_bias, before + d - d.mean())
+
+
+def test_init_buffers_after_to_empty():
+    """Built on the meta device and materialised with to_empty, the buffers hold garbage
+    until init_buffers zeroes them."""
+    with torch.device("meta"):
+        moe = MoE(16, 8, 4, 2, load_balance_coeff=0.1)
+    moe.to_empty(device="cpu")
+    for name in ("expert_bias", "tokens_per_expert", "aux_loss_total", "global_counts"):
+        getattr(moe, name).fill_(7.0)
+    moe.init_buffers()
+    for name, buf in moe.named_buffers():
+        assert buf.abs().sum() == 0, name
+
+
+def test_zero_load_balance_coeff_keeps_a_fixed_bias():
+    """0 keeps the bias (loaded from a checkpoint, say) routing but never moves it."""
+    moe = MoE(16, 8, 4, 2, load_balance_coeff=0)
+    assert "expert_bias" in moe.state_dict()
+    moe.expert_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 5.0]))
+    moe(torch.randn(2, 6, 16)).sum().backward()
+    assert set(torch.nonzero(moe.tokens_per_expert).flatten().tolist()) == {0, 3}  # it routes
+    update_expert_bias(moe)
+    assert moe.expert_bias.tolist() == [5.0, 0.0, 0.0, 5.0]
+    assert moe.tokens_per_expert.sum() == 0
 
 
 def test_tokens_counted_once_under_checkpoint_and_routing_replayed():

@@ -80,10 +80,17 @@ class ParallelDims:
             )
         if self.ep > 1 and self.cp > 1:
             problems.append(f"{KEYS['ep']}={self.ep} with {KEYS['cp']}={self.cp} is not supported")
-        if self.ep > 1 and self.etp > 1 and (self.dp_shard != self.ep or self.dp_replicate > 1):
+        if self.ep > 1 and self.dp_replicate > 1:
+            problems.append(
+                f"{KEYS['ep']}={self.ep} with {KEYS['dp_replicate']}={self.dp_replicate}: the "
+                f"experts (DTensors over ep) would need fully_shard over a 2-D (dp_replicate, "
+                f"efsdp) mesh, which hp_fsdp does not compose with another mesh's DTensors: set "
+                f"{KEYS['dp_replicate']} = 1 and shard over every data-parallel rank instead"
+            )
+        elif self.ep > 1 and self.etp > 1 and self.dp_shard != self.ep:
             problems.append(
                 f"{KEYS['etp']}={self.etp} with {KEYS['ep']}={self.ep} shards each expert over "
-                f"ep x tp already: give {KEYS['dp_shard']} = {KEYS['ep']} and no replication "
+                f"ep x tp already: give {KEYS['dp_shard']} = {KEYS['ep']} "
                 f"(fully_shard does not shard 2-D expert meshes further)"
             )
         if problems:
@@ -107,10 +114,23 @@ class ParallelDims:
         global_batch_size: int | None = None,
         seq_len: int | None = None,
         stages_per_rank: int = 1,
+        mtp_layers: int = 0,
     ) -> None:
         """Raise one :class:`ConfigError` listing every way the model, batch or sequence does not
         fit these degrees."""
         problems = []
+        if mtp_layers and self.pp > 1:
+            problems.append(
+                f"{KEYS['pp']}={self.pp}: the model's {mtp_layers} multi-token prediction "
+                "module(s) need the embedding and the output head on one stage: set it to 1, "
+                "or model.mtp_layers = 0"
+            )
+        if mtp_layers and self.tp > 1:
+            problems.append(
+                f"{KEYS['tp']}={self.tp}: multi-token prediction shifts the sequence by one "
+                "token per depth, which sequence-sharded activations cannot do in place (not "
+                "supported yet): set it to 1, or model.mtp_layers = 0"
+            )
         tp = KEYS["tp"]
         if n_heads % self.tp:
             problems.append(f"{tp}={self.tp} does not divide the model's {n_heads} attention heads")

@@ -122,18 +122,9 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
             head_local(gdn.norm, tp_mesh, replicate=("weight",))
             continue
         if hasattr(block.attention, "wkv_b"):  # DeepSeek's MLA: heads split, latents whole
-            att = block.attention
-            plan.update(
-                {
-                    "attention": enter,
-                    ("attention.wq_b" if hasattr(att, "wq_b") else "attention.wq"): (
-                        ColwiseParallel()
-                    ),
-                    "attention.wkv_b": ColwiseParallel(),
-                    "attention.wo": RowwiseParallel(output_layouts=seq),
-                }
-            )
+            plan["attention.wo"] = RowwiseParallel(output_layouts=seq)
             parallelize_module(block, tp_mesh, plan)
+            _mla_tensor_parallel(block.attention, tp_mesh, seq)
             continue
         plan.update(
             {
@@ -148,6 +139,37 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+
+
+def _mla_tensor_parallel(att: nn.Module, tp_mesh, seq) -> None:
+    """Tensor parallelism for DeepSeek's MLA. The query and key/value up-projections
+    (``wq``/``wq_b``, ``wkv_b``) split by heads and ``wo`` by its input columns, as in
+    attention; the down-projections to the latents (``wq_a``, ``wkv_a``) and the latent norms
+    run whole on every rank. The rotated key ``k_pe`` comes straight out of ``wkv_a`` and is
+    shared by all heads, so on each rank its gradient is only this rank's heads' part: the
+    region from the attention's input to ``wo`` therefore runs on plain local tensors whose
+    gradients are partial over ``tp`` (Megatron's "copy to the tensor-parallel region"), and
+    the input's and the replicated weights' gradients are summed over ``tp`` on the way out.
+    Splitting the latent projections would cost more communication than they take to compute.
+    """
+    names = [n for n in ("wq", "wq_b", "wkv_b") if hasattr(att, n)]
+    for n in names:
+        head_local(getattr(att, n), tp_mesh, shard={"weight": 0})
+    for n in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+        if hasattr(att, n):
+            m = getattr(att, n)
+            head_local(
+                m, tp_mesh, replicate=tuple(k for k, v in m._parameters.items() if v is not None)
+            )
+
+    def enter(module, args):
+        x, *rest = args
+        if not isinstance(x, hp.DTensor):
+            x = hp.DTensor.from_local(x, tp_mesh, [seq], run_check=False)
+        x = x.redistribute(tp_mesh, [hp.Replicate()])
+        return (x.to_local(grad_placements=[hp.Partial()]), *rest)
+
+    att.register_forward_pre_hook(enter)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -279,6 +301,7 @@ def parallelize_llama(
             if cfg.architecture == "qwen3_5"
             else None
         ),
+        mtp_layers=cfg.mtp_layers,
     )
     if parallel_dims.world_size == 1 and mesh is None:  # one process: only checkpointing applies
         if config.activation_checkpoint != "none":
@@ -304,11 +327,10 @@ def parallelize_llama(
             ignored = [p for moe in moes for p in moe.experts.parameters()]
             _scale_grads(ignored, 1.0 / pd.ep)
         else:
-            names = ("dp_replicate", "efsdp") if pd.dp_replicate > 1 else ("efsdp",)
-            for moe in moes:
+            for moe in moes:  # (ParallelDims refuses ep > 1 with dp_replicate > 1)
                 experts = fully_shard(
                     moe.experts,
-                    mesh=expert_mesh[names],
+                    mesh=expert_mesh["efsdp"],
                     mp_policy=mp,
                     reshard_after_forward=config.reshard_after_forward,
                 )

@@ -53,6 +53,11 @@ def _model_config(cfg: JobConfig) -> TransformerConfig:
         mc = TransformerConfig.from_hf(hf, max_seq_len=cfg.training.seq_len)
     else:
         mc = get_config(cfg.model.name, max_seq_len=cfg.training.seq_len)
+    if cfg.model.mtp_layers >= 0 and cfg.model.mtp_layers != mc.mtp_layers:
+        try:
+            mc = mc.replace(mtp_layers=cfg.model.mtp_layers)
+        except ConfigError as e:
+            raise ConfigError(f"model.mtp_layers={cfg.model.mtp_layers}: {e}") from None
     return _moe_overrides(mc, cfg)
 
 
@@ -65,17 +70,28 @@ def _moe_overrides(mc: TransformerConfig, cfg: JobConfig) -> TransformerConfig:
     if m.aux_loss_type:
         changes["aux_loss_type"] = m.aux_loss_type
     if m.load_balance_coeff >= 0:
-        changes["load_balance_coeff"] = m.load_balance_coeff or None
+        # 0 keeps a bias the model routes with (a fine-tuned checkpoint's) fixed; a model
+        # without one gets none
+        has_bias = mc.moe is not None and mc.moe.load_balance_coeff is not None
+        changes["load_balance_coeff"] = (
+            m.load_balance_coeff if m.load_balance_coeff or has_bias else None
+        )
     if m.capacity_factor > 0:
         changes["capacity_factor"] = m.capacity_factor
     if not changes:
         return mc
     if mc.moe is None:
+        model = cfg.model.hf_path or cfg.model.name
         raise ConfigError(
-            f"moe.{next(iter(changes))}: model {cfg.model.name!r} has no MoE layers; drop the "
-            "[moe] section"
+            f"moe.{next(iter(changes))}: model {model!r} has no MoE layers; drop the [moe] section"
         )
-    return mc.replace(moe=mc.moe.replace(**changes))
+    moe = mc.moe.replace(**changes)
+    if m.aux_loss_type and not moe.aux_loss_coeff:
+        raise ConfigError(
+            f"moe.aux_loss_type={m.aux_loss_type!r} has no effect without a balance loss: set "
+            "moe.aux_loss_coeff > 0, or drop moe.aux_loss_type"
+        )
+    return mc.replace(moe=moe)
 
 
 def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, TransformerConfig]:
@@ -106,13 +122,8 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         global_batch_size=t.global_batch_size,
         seq_len=t.seq_len,
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
+        mtp_layers=mc.mtp_layers,
     )
-    if mc.mtp_layers and pd.pp > 1:
-        raise ConfigError(
-            f"model {cfg.model.name!r} has {mc.mtp_layers} multi-token prediction module(s), "
-            "which need the embedding and the output head on one stage: set "
-            "parallelism.pipeline_parallel_degree = 1, or a model with mtp_layers = 0"
-        )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
             raise ConfigError(

@@ -42,6 +42,7 @@ class Job:
 class Model:
     name: str = "llama3-tiny"  # a key of hp_trainer.models.CONFIGS
     hf_path: str = ""  # a local HuggingFace folder to start from instead of random weights
+    mtp_layers: int = -1  # DeepSeek-V3's multi-token prediction depths; < 0: the model's
 
 
 @dataclass
@@ -84,9 +85,9 @@ class MoE:
     """Load balancing of the model's MoE layers (``hp_moe.MoE``). Each field left at its
     default keeps the model configuration's own value."""
 
-    aux_loss_coeff: float = -1.0  # < 0: the model's; 0: no auxiliary loss
+    aux_loss_coeff: float = -1.0  # -1: the model's; 0: no auxiliary loss
     aux_loss_type: str = ""  # "": the model's; "sequence", "batch" or "global"
-    load_balance_coeff: float = -1.0  # < 0: the model's; 0: no expert-bias balancing
+    load_balance_coeff: float = -1.0  # -1: the model's; 0: the expert bias (if any) kept fixed
     capacity_factor: float = 0.0  # 0: the model's (dropless unless it caps); > 0: capacity
 
 
@@ -273,6 +274,10 @@ def _check(cfg: JobConfig) -> None:
             f"moe.aux_loss_type={m.aux_loss_type!r}: use sequence, batch or global (or leave "
             "it out for the model's)"
         )
+    for key in ("aux_loss_coeff", "load_balance_coeff"):
+        v = getattr(m, key)
+        if v < 0 and v != -1:
+            problems.append(f"moe.{key}={v}: must be >= 0, or -1 (the model's value)")
     if m.capacity_factor < 0:
         problems.append(f"moe.capacity_factor={m.capacity_factor}: must be 0 (dropless) or > 0")
     if problems:

@@ -1,7 +1,8 @@
 """parallelize_llama on 4 CPU ranks against one process on the same data and seed: the first 10
 losses within 1e-4 relative (FSDP 2 x TP 2 with sequence parallelism, HSDP 2 x 2), for Llama 3
-and Qwen3 (tied embeddings, per-head q/k norms), and Qwen3.5 (Gated DeltaNet heads split by
-tensor parallelism)."""
+and Qwen3 (tied embeddings, per-head q/k norms), Qwen3.5 (Gated DeltaNet heads split by
+tensor parallelism) and DeepSeek-V3 (MLA's heads split, its latents and shared rotated key
+whole; MoE blocks whole on each tensor-parallel rank)."""
 
 import pytest
 import torch
@@ -27,14 +28,24 @@ def _batch(step):
     return ids[:, :-1], ids[:, 1:]
 
 
+# DeepSeek-V3's MLA (without multi-token prediction, which refuses tensor parallelism): with
+# query compression, and without it (DeepSeek-V2-Lite's form)
+VARIANTS = {
+    "deepseek-v3-tiny": ("deepseek-v3-tiny", {"mtp_layers": 0}),
+    "deepseek-v3-tiny-no-q-lora": ("deepseek-v3-tiny", {"mtp_layers": 0, "q_lora_rank": None}),
+}
+
+
 def _model(name):
     torch.manual_seed(0)
-    model = Transformer(get_config(name, max_seq_len=S))
-    if name.startswith("qwen3.5"):
+    base, overrides = VARIANTS.get(name, (name, {}))
+    model = Transformer(get_config(base, max_seq_len=S, **overrides))
+    if name.startswith(("qwen3.5", "deepseek-v3-tiny-no-q-lora")):
         # Gated DeltaNet's decay gradients are tiny sums of large cancelling terms: float32
         # rounding (a different reduction order, as any sharding brings) moves them ~1e-3
         # relative, and AdamW turns that into different steps. In float64 rounding is gone,
-        # so the comparison tests the parallel math, not the noise.
+        # so the comparison tests the parallel math, not the noise. The same holds for a MoE
+        # router's near-ties (float32 rounding flips a top-k choice after some steps).
         model = model.double()
     return model
 
@@ -86,6 +97,8 @@ def _parallel(name, dims, sp):
         ("qwen3.5-tiny", {"tp": 2}, True),  # Gated DeltaNet heads split, FSDP 2 x TP 2
         ("llama3-tiny", {"tp": 2}, False),
         ("llama3-tiny", {"dp_replicate": 2}, True),
+        ("deepseek-v3-tiny", {"tp": 2}, True),  # MLA: heads split, latents whole
+        ("deepseek-v3-tiny-no-q-lora", {"tp": 2}, False),
     ],
     ids=[
         "fsdp2xtp2-sp-llama",
@@ -93,6 +106,8 @@ def _parallel(name, dims, sp):
         "fsdp2xtp2-sp-qwen3.5",
         "fsdp2xtp2-llama",
         "hsdp2x2-llama",
+        "fsdp2xtp2-sp-deepseek-mla",
+        "fsdp2xtp2-deepseek-mla-no-q-lora",
     ],
 )
 def test_first_losses_match_one_process(pool, name, dims, sp):

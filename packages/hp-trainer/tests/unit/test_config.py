@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from hp_trainer import ConfigError, load_config, preflight
+from hp_trainer._trainer import _moe_overrides
+from hp_trainer.models import get_config
 from hp_trainer.train import main
 
 
@@ -126,14 +128,29 @@ def test_moe_section_and_its_checks(tmp_path):
     )
     _, mc = preflight(cfg, 1)
     assert mc.moe.aux_loss_coeff == 0.01 and mc.moe.aux_loss_type == "global"
-    assert mc.moe.load_balance_coeff is None and mc.moe.capacity_factor == 1.25
+    # 0 keeps DeepSeek's expert bias, fixed
+    assert mc.moe.load_balance_coeff == 0.0 and mc.moe.capacity_factor == 1.25
     _, kept = preflight(load_config(None, ["--model.name", "deepseek-v3-tiny"]), 1)
     assert kept.moe.load_balance_coeff == 1e-3 and kept.moe.aux_loss_coeff == 0.0
+    # a model without a bias gets none
+    qwen = ["--model.name", "qwen3-moe-tiny", "--moe.load_balance_coeff", "0"]
+    assert preflight(load_config(None, qwen), 1)[1].moe.load_balance_coeff is None
+    with pytest.raises(ConfigError, match="moe.load_balance_coeff=-0.5: must be >= 0, or -1"):
+        load_config(None, ["--moe.load_balance_coeff", "-0.5"])
+    with pytest.raises(ConfigError, match="moe.aux_loss_type='batch' has no effect without"):
+        preflight(
+            load_config(None, ["--model.name", "qwen3-moe-tiny", "--moe.aux_loss_type", "batch"]),
+            1,
+        )
+    dense = load_config(None, ["--moe.aux_loss_coeff", "0.1"])
+    dense.model.hf_path = "x/y"  # the message names the model by its folder
+    with pytest.raises(ConfigError, match="model 'x/y' has no MoE layers"):
+        _moe_overrides(get_config("llama3-tiny"), dense)
     with pytest.raises(ConfigError, match="moe.aux_loss_type='token'"):
         load_config(None, ["--moe.aux_loss_type", "token"])
     with pytest.raises(ConfigError, match="model 'llama3-tiny' has no MoE layers"):
         preflight(load_config(None, ["--moe.aux_loss_coeff", "0.1"]), 1)
-    with pytest.raises(ConfigError, match="multi-token prediction module"):
+    with pytest.raises(ConfigError, match="multi-token prediction module.*model.mtp_layers = 0"):
         preflight(
             load_config(
                 None,
@@ -148,6 +165,13 @@ def test_moe_section_and_its_checks(tmp_path):
             ),
             2,
         )
+    tp = ["--model.name", "deepseek-v3-tiny", "--parallelism.tensor_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2: multi-token prediction"):
+        preflight(load_config(None, tp), 4)
+    _, mc = preflight(load_config(None, [*tp, "--model.mtp_layers", "0"]), 4)
+    assert mc.mtp_layers == 0 and mc.architecture == "deepseek_v3"
+    with pytest.raises(ConfigError, match="model.mtp_layers=1: mtp_layers: multi-token"):
+        preflight(load_config(None, ["--model.mtp_layers", "1"]), 1)  # llama has none
     with pytest.raises(ConfigError, match="does not divide the 8 experts"):
         preflight(
             load_config(

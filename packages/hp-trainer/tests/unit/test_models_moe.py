@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hp_trainer.errors import ConfigError
 from hp_trainer.models import CONFIGS, Transformer, from_pretrained, get_config, hf_name, our_name
 
 transformers = pytest.importorskip("transformers")
@@ -73,10 +74,60 @@ def test_qwen3_moe(tmp_path):
     )
     torch.manual_seed(0)
     hf = _perturb(transformers.Qwen3MoeForCausalLM(cfg), 0)
-    ours, _ = _roundtrip(tmp_path, hf, "qwen3", (0, 2))
+    ours, ids = _roundtrip(tmp_path, hf, "qwen3", (0, 2))
     assert hasattr(ours.layers["1"], "feed_forward") and hasattr(ours.layers["0"], "moe")
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert saved["model_type"] == "qwen3_moe" and saved["mlp_only_layers"] == [1]
+    # auxiliary-loss-free balancing on a Qwen checkpoint: our expert bias (Qwen stores none)
+    # starts at zero and exports while it is; once it moved, the export is refused
+    moe = ours.config.moe.replace(load_balance_coeff=1e-3)
+    biased = from_pretrained(tmp_path / "hf", config=ours.config.replace(moe=moe)).eval()
+    assert biased.layers["0"].moe.expert_bias.abs().sum() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(biased(ids), ours(ids), rtol=0, atol=0)
+    biased.save_pretrained(tmp_path / "biased")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "biased").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, biased(ids), **TOL)
+    biased.layers["2"].moe.expert_bias[0] = 0.1
+    with pytest.raises(ConfigError, match="layers.2.moe.expert_bias .* is not zero"):
+        biased.save_pretrained(tmp_path / "moved")
+    assert not (tmp_path / "moved").exists()  # refused before writing anything
+
+
+def test_to_hf_refuses_what_transformers_cannot_express():
+    cases = [
+        (get_config("deepseek-v2-lite"), "DeepseekV3 cannot express score_func='softmax'"),
+        (
+            get_config("deepseek-v3-tiny").replace(
+                moe=get_config("deepseek-v3-tiny").moe.replace(shared_expert_gate=True)
+            ),
+            "shared_expert_gate=True",
+        ),
+        (
+            get_config("qwen3-moe-tiny").replace(
+                moe=get_config("qwen3-moe-tiny").moe.replace(num_shared_experts=1)
+            ),
+            "Qwen3Moe cannot express num_shared_experts=1",
+        ),
+        (
+            get_config("qwen3-moe-tiny").replace(
+                moe=get_config("qwen3-moe-tiny").moe.replace(route_scale=2.0)
+            ),
+            "route_scale=2.0",
+        ),
+        (
+            get_config("qwen3.5-moe-tiny").replace(
+                moe=get_config("qwen3.5-moe-tiny").moe.replace(route_norm=False, layers=(0, 1))
+            ),
+            r"route_norm=False .*; MoE layers \[0, 1\]",
+        ),
+    ]
+    for cfg, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            cfg.to_hf()
+    for name in ("deepseek-v3-tiny", "qwen3-moe-tiny", "qwen3.5-moe-tiny", "deepseek-v3-671b"):
+        get_config(name).to_hf()  # the shipped ones are expressible
 
 
 @pytest.mark.parametrize("q_lora_rank", [12, None])

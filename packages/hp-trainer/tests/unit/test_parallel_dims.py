@@ -75,6 +75,12 @@ def test_expert_parallel_degrees():
         ParallelDims(dp_shard=4, tp=2, ep=2, etp=2, world_size=8)
     with pytest.raises(ConfigError, match="context_parallel_degree=2 is not supported"):
         ParallelDims(dp_shard=2, cp=2, ep=2, world_size=4)
+    with pytest.raises(ConfigError) as e:  # refused before any process group exists
+        ParallelDims(dp_replicate=2, dp_shard=2, ep=2, world_size=4)
+    assert "expert_parallel_degree=2 with parallelism.data_parallel_replicate_degree=2" in str(
+        e.value
+    )
+    assert "set parallelism.data_parallel_replicate_degree = 1" in str(e.value)
     pd = ParallelDims(dp_shard=4, ep=2, tp=1, world_size=4)
     with pytest.raises(ConfigError) as e:
         pd.check_model(n_heads=4, n_kv_heads=2, n_layers=2, num_experts=7)

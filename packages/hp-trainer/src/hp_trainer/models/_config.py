@@ -402,7 +402,16 @@ class TransformerConfig:
         )
 
     def to_hf(self) -> dict:
-        """A HuggingFace ``config.json`` dict that transformers builds the same model from."""
+        """A HuggingFace ``config.json`` dict that transformers builds the same model from.
+        Raises :class:`ConfigError` naming each MoE setting the HuggingFace family cannot
+        express (transformers would build a different model); the balancing settings
+        (auxiliary loss, the expert bias's update rate, capacity) are training-only and are not
+        exported."""
+        problems = self._hf_inexpressible()
+        if problems:
+            raise ConfigError(
+                f"to_hf: transformers' {self._hf_family()} cannot express " + "; ".join(problems)
+            )
         if self.architecture == "deepseek_v3":
             return self._to_hf_deepseek_v3()
         if self.architecture == "qwen3_5" and self.moe is not None:
@@ -420,6 +429,55 @@ class TransformerConfig:
         if self.architecture == "qwen3_5":
             return self._to_hf_qwen3_5()
         return self._to_hf_dense()
+
+    def _hf_family(self) -> str:
+        if self.architecture == "deepseek_v3":
+            return "DeepseekV3"
+        if self.moe is None:
+            return {"llama": "Llama", "qwen3": "Qwen3", "qwen3_5": "Qwen3_5"}[self.architecture]
+        return {"qwen3": "Qwen3Moe", "qwen3_5": "Qwen3_5Moe"}.get(self.architecture, "?")
+
+    def _hf_inexpressible(self) -> list[str]:
+        """The MoE settings of this configuration its HuggingFace family has no field for."""
+        moe = self.moe
+        if moe is None:
+            return []
+        if self.architecture == "llama":
+            return ["a Llama with MoE layers (use qwen3 or deepseek_v3)"]
+        out = []
+        shared = moe.shared_hidden_dim
+        if self.architecture == "deepseek_v3":
+            if moe.score_func != "sigmoid":
+                out.append(f"score_func={moe.score_func!r} (DeepSeek-V3 routes with sigmoid)")
+            if shared is not None and shared != moe.hidden_dim * moe.num_shared_experts:
+                out.append(
+                    f"shared_hidden_dim={shared} (its shared experts are "
+                    "n_shared_experts x moe_intermediate_size wide)"
+                )
+            if moe.shared_expert_gate:
+                out.append("shared_expert_gate=True (its shared experts have no gate)")
+            return out
+        if moe.score_func != "softmax":
+            out.append(f"score_func={moe.score_func!r} (Qwen routes with softmax)")
+        if moe.route_scale != 1.0:
+            out.append(f"route_scale={moe.route_scale} (Qwen does not scale the gates)")
+        if moe.num_expert_groups:
+            out.append(f"num_expert_groups={moe.num_expert_groups} (no group-limited routing)")
+        if self.architecture == "qwen3":
+            if moe.num_shared_experts:
+                out.append(f"num_shared_experts={moe.num_shared_experts} (Qwen3-MoE has none)")
+            return out
+        # Qwen3.5-MoE: every block a MoE with one gated shared expert, normalised gates
+        if moe.num_shared_experts != 1 or not moe.shared_expert_gate:
+            out.append(
+                f"num_shared_experts={moe.num_shared_experts}, shared_expert_gate="
+                f"{moe.shared_expert_gate} (Qwen3.5-MoE has one gated shared expert)"
+            )
+        if not moe.route_norm:
+            out.append("route_norm=False (Qwen3.5-MoE always normalises the top-k gates)")
+        if tuple(moe.layers) != tuple(range(self.n_layers)):
+            out.append(f"MoE layers {list(moe.layers)} (Qwen3.5-MoE has a MoE in every block)")
+        return out
 
     def _to_hf_qwen3_5(self) -> dict:
         return {

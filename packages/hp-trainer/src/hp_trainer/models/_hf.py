@@ -228,10 +228,25 @@ def _joined(sd: dict) -> dict:
     return out
 
 
+_EXPERT_BIAS = re.compile(r".*\.moe\.expert_bias")
+
+
+def _without_hf_bias(sd: dict, cfg: TransformerConfig) -> tuple[dict, list[str]]:
+    """``sd`` without the expert-bias buffers when ``cfg``'s HuggingFace family has none
+    (only DeepSeek-V3 stores its ``e_score_correction_bias``; a Qwen MoE trained with
+    auxiliary-loss-free balancing carries one we add), and their names."""
+    if cfg.architecture == "deepseek_v3":
+        return sd, []
+    dropped = [k for k in sd if _EXPERT_BIAS.fullmatch(k)]
+    return {k: v for k, v in sd.items() if k not in dropped}, dropped
+
+
 def _hf_targets(sd: dict, cfg: TransformerConfig, device) -> tuple[dict, dict, dict]:
     """``(target, staging, groups)``: HuggingFace name -> the tensor to load it into. A routed
     expert's tensor is a view of its row of ours (loaded in place); a Gated DeltaNet's fused
-    tensor lands in ``staging`` and is split into our ``groups`` parts afterwards."""
+    tensor lands in ``staging`` and is split into our ``groups`` parts afterwards. An expert
+    bias the family does not store is left out (it starts at zero, as the model built it)."""
+    sd, _ = _without_hf_bias(sd, cfg)
     groups = _fused_groups(sd)
     parts = {p for names in groups.values() for p in names}
     experts = set(_experts(sd))
@@ -315,10 +330,21 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int = 5 * 2**3
     ``transformers.AutoModelForCausalLM.from_pretrained`` reads (routed experts one tensor per
     expert, as HuggingFace stores them; DeepSeek-V3's MTP modules as blocks after the main
     ones). A sharded model (DTensor parameters) is saved collectively through an hp_dcp
-    checkpoint and exported by rank 0."""
+    checkpoint and exported by rank 0. Raises :class:`ConfigError`, before any collective, for
+    a configuration transformers cannot express, and for a Qwen MoE whose expert bias (ours,
+    from auxiliary-loss-free balancing; Qwen has no such tensor) is not zero: transformers
+    would route differently."""
     path = Path(path)
     cfg = model.config
-    sd = _weights(model)
+    hf_config = cfg.to_hf()
+    sd, biases = _without_hf_bias(_weights(model), cfg)
+    moved = [k for k in biases if _full(model.get_buffer(k)).abs().max() > 0]
+    if moved:
+        raise ConfigError(
+            f"save_pretrained: {moved[0]} (and {len(moved) - 1} more) is not zero, and "
+            f"transformers' {cfg._hf_family()} has no expert bias: the exported model would "
+            "route differently: train it without moe.load_balance_coeff"
+        )
     sharded = any(isinstance(v, DTensor) for v in sd.values())
     sd = _per_expert(_joined(sd))
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -335,6 +361,6 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int = 5 * 2**3
     elif rank == 0:
         hp_dcp.save_hf(sd, path, name_map=name_map, max_shard_bytes=max_shard_bytes)
     if rank == 0:
-        (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -227,10 +227,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device=None) -> None:
-        """Normal(0, init_std) weights, zero biases, unit norms, and the rotary tables (call
-        after ``to_empty`` when the model was built on the meta device)."""
+        """Normal(0, init_std) weights, zero biases, unit norms, zero MoE expert biases and
+        statistics, and the rotary tables (call after ``to_empty`` when the model was built on
+        the meta device)."""
         std = self.config.init_std
         for m in self.modules():
+            if isinstance(m, MoE):
+                m.init_buffers()
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=std)
                 if getattr(m, "bias", None) is not None:
