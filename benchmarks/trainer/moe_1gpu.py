@@ -27,15 +27,6 @@ from hp_trainer.models import Transformer, get_config
 PEAK = {"H200": 989e12, "H100": 989e12}  # dense bf16 per GPU
 
 
-def _flops_per_token(cfg, seq: int) -> float:
-    """6 x active parameters (the output projection included, the input embedding not) + the
-    attention scores and values (causal full attention over ``seq``)."""
-    n = cfg.num_params(embeddings=False, active=True) + cfg.vocab_size * cfg.dim
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attn = 6 * cfg.n_layers * cfg.n_heads * (qk + cfg.v_head_dim) * seq  # fwd+bwd, causal half
-    return 6 * n + attn
-
-
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -114,7 +105,7 @@ def main() -> int:
     for name, model, fwd in runs:
         results[name] = _train(name, model, batches, dev, args.lr, fwd)
     tokens = args.batch * args.seq
-    fpt = _flops_per_token(cfg, args.seq)
+    fpt = cfg.flops_per_token(args.seq)
     peak_flops = None
     if dev.type == "cuda":
         peak_flops = next((v for k, v in PEAK.items() if k in torch.cuda.get_device_name()), None)

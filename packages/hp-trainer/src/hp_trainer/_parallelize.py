@@ -204,6 +204,25 @@ def _scale_grads(params, factor: float) -> None:
         p.register_hook(lambda g, f=factor: g * f)
 
 
+def _compute_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward on copies of its own parameters cast to ``dtype`` (FSDP's
+    ``param_dtype`` for parameters it does not manage); the gradients reach the originals in
+    their own dtype."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        saved = dict(module._parameters)
+        for n, p in saved.items():
+            if p is not None and p.dtype != dtype:
+                module._parameters[n] = p.to(dtype)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
 def head_local(
     module: nn.Module,
     tp_mesh,
@@ -326,6 +345,9 @@ def parallelize_llama(
         if pd.etp > 1:  # each expert already split over ep x tp: no data-parallel copies
             ignored = [p for moe in moes for p in moe.experts.parameters()]
             _scale_grads(ignored, 1.0 / pd.ep)
+            if mp.param_dtype is not None:  # FSDP does not cast what it ignores
+                for moe in moes:
+                    _compute_in(moe.experts, mp.param_dtype)
         else:
             for moe in moes:  # (ParallelDims refuses ep > 1 with dp_replicate > 1)
                 experts = fully_shard(

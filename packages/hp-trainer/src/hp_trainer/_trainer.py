@@ -30,7 +30,9 @@ __all__ = ["Callback", "LLMTrainer", "preflight"]
 
 class Callback:
     """Hooks into the loop; override what you need. ``metrics`` holds ``loss``, ``grad_norm``,
-    ``lr``, ``tokens_per_s``, ``mfu`` (None where the peak is unknown), ``memory_gib``."""
+    ``lr``, ``tokens_per_s``, ``mfu`` (None where the peak is unknown), ``memory_gib``,
+    ``step_time_s``; for MoE models ``moe`` (``LLMTrainer.moe_statistics``: one dict per MoE
+    layer) and with multi-token prediction ``mtp_loss`` (weighted, as added to the loss)."""
 
     def on_train_begin(self, trainer: LLMTrainer) -> None: ...
 
@@ -326,9 +328,12 @@ class LLMTrainer:
             present = [n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names]
             sub = self.mesh["dp"] if len(present) == 2 else self.mesh[present[0]]
             self.moe_group = sub.get_group()
-        hp_moe.register_expert_bias_update(self.optimizer, self.model, group=self.moe_group)
         n = self.pipeline_microbatches if self.schedule is not None else self.micro_batches
-        hp_moe.set_aux_loss_scale(self.model, 1.0 / n)
+        # a pipeline stage of dense blocks only (DeepSeek's first ones) has no MoE to balance;
+        # its data-parallel peers hold the same blocks, so they skip the same collectives
+        if any(isinstance(m, hp_moe.MoE) for m in self.model.modules()):
+            hp_moe.register_expert_bias_update(self.optimizer, self.model, group=self.moe_group)
+            hp_moe.set_aux_loss_scale(self.model, 1.0 / n)
         for m in self.model.modules():
             if isinstance(m, Transformer):
                 m.mtp_loss_scale = 1.0 / n
@@ -454,6 +459,7 @@ class LLMTrainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self._clip(params, t.max_norm)
         moe = self.moe_statistics() if self.model_config.moe is not None else None
+        mtp = self._mtp_loss() if self.model_config.mtp_layers else None
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -476,7 +482,17 @@ class LLMTrainer:
         }
         if moe is not None:
             out["moe"] = moe
+        if mtp is not None:
+            out["mtp_loss"] = mtp
         return out
+
+    def _mtp_loss(self) -> float:
+        """The step's multi-token prediction loss (weighted, mean over its microbatches and
+        the data-parallel ranks); the model's running sum restarts."""
+        (model,) = [m for m in self.model.modules() if isinstance(m, Transformer)]
+        total = model.mtp_loss.detach().clone() / self.micro_batches
+        model.mtp_loss.zero_()
+        return self._reduce_mean(total)
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         if self.device.type != "cuda":
@@ -485,15 +501,7 @@ class LLMTrainer:
         peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
         if peak is None:
             return None
-        mc, s = self.model_config, self.config.training.seq_len
-        # 6 x (parameters without the input embedding: the output projection computes even when
-        # tied) + attention scores and values, as torchtitan and GPU-ANCHORS.md count; only
-        # full-attention blocks have the quadratic term (Qwen3.5's linear ones are counted by
-        # their parameters)
-        n = mc.num_params(embeddings=False) + mc.vocab_size * mc.dim
-        types = mc.layer_types or ("full_attention",) * mc.n_layers
-        full = sum(t == "full_attention" for t in types)
-        flops_per_token = 6 * n + 12 * full * mc.n_heads * mc.hd * s
+        flops_per_token = self.model_config.flops_per_token(self.config.training.seq_len)
         world = dist.get_world_size() if dist.is_initialized() else 1
         return tokens_per_s * flops_per_token / (peak * world)
 

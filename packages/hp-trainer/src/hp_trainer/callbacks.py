@@ -55,8 +55,9 @@ class LoggingCallback(Callback):
                     self.writer.add_scalar(k, v, step)
         if step % self.log_freq == 0 or step == 1:
             mfu = "-" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
+            mtp = f"mtp_loss {metrics['mtp_loss']:.4f}  " if "mtp_loss" in metrics else ""
             self.bar.write(
-                f"step {step:5d}  loss {metrics['loss']:.4f}  "
+                f"step {step:5d}  loss {metrics['loss']:.4f}  {mtp}"
                 f"grad_norm {metrics['grad_norm']:.3f}  "
                 f"lr {metrics['lr']:.2e}  tokens/s {metrics['tokens_per_s']:.0f}  mfu {mfu}  "
                 f"memory {metrics['memory_gib']:.2f} GiB"

@@ -144,3 +144,69 @@ def test_trained_sharded_model_loads_in_transformers(pool, tmp_path):
         torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
     for got in logits:  # the export holds the trained, sharded model's weights
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def _etp_bf16(dump):
+    """Expert tensor parallelism leaves the experts out of FSDP: they must still compute in
+    the bfloat16 of training.mixed_precision_param (their fp32 parameters get the gradients)."""
+    cfg = load_config(
+        CONFIGS / SHIPPED["qwen3_5_moe_ep2_tp2"],
+        [
+            *FAST,
+            "--job.dump_folder",
+            dump,
+            "--training.steps",
+            "2",
+            "--checkpoint.enable",
+            "false",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ],
+    )
+    trainer = LLMTrainer(cfg)
+    seen = set()
+    for name, m in trainer.model.named_modules():
+        if name.endswith("moe.experts"):
+            m.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+    losses = trainer.train()
+    weights = {p.dtype for n, p in trainer.model.named_parameters() if "experts" in n}
+    return losses, seen, weights
+
+
+def test_expert_tensor_parallel_experts_honour_param_dtype(pool, tmp_path):
+    for losses, seen, weights in pool.run(_etp_bf16, str(tmp_path / "bf16")):
+        assert seen == {torch.bfloat16} and weights == {torch.float32}
+        assert losses[-1] < losses[0]
+
+
+def test_pipeline_stage_without_moe_layers(tmp_path):
+    """DeepSeek-V3 (no MTP) over 3 pipeline stages: the first holds only the dense block, so it
+    has no MoE to balance; the run still equals one process (its microbatches as the
+    pipeline's)."""
+    from hp_testing import run_ranks
+
+    common = [
+        "--model.mtp_layers",
+        "0",
+        "--checkpoint.enable",
+        "false",
+        "--training.steps",
+        "6",
+    ]
+    pp = [
+        "--parallelism.pipeline_parallel_degree",
+        "3",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.expert_parallel_degree",
+        "1",
+        "--parallelism.pipeline_microbatches",
+        "2",
+    ]
+    config = SHIPPED["deepseek_v3_ep2_fsdp2"]
+    ref = _run(config, str(tmp_path / "one"), [*ONE, *common, "--training.local_batch_size", "4"])
+    results = run_ranks(_run, 3, args=(config, str(tmp_path / "pp3"), [*common, *pp]), timeout=300)
+    for losses, _, stats in results:
+        torch.testing.assert_close(losses, ref[0], rtol=1e-4, atol=0)
+        assert [s["layer"] for s in stats] == ["layers.1", "layers.2"]
+        assert [s["tokens"] for s in stats] == [s["tokens"] for s in ref[2]]

@@ -135,3 +135,34 @@ def test_config_errors():
     m = Transformer(get_config("llama3-tiny", max_seq_len=8))
     with pytest.raises(ValueError, match="sequence length 9 exceeds the model's max_seq_len=8"):
         m(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "qwen3-tiny"])
+def test_flops_per_token_is_torchtitans(name):
+    """Dense models: torchtitan's own count (6 x matmul parameters + the attention term) on
+    the same module; tied embeddings count once, as the output projection."""
+    utils = pytest.importorskip("torchtitan.models.utils")
+    cfg = get_config(name)
+    model = Transformer(cfg)
+    _, expected = utils.get_dense_model_nparams_and_flops(
+        model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dims=2 * cfg.hd,
+        seq_len=128,
+        enable_weight_tying=cfg.tie_word_embeddings,
+    )
+    assert cfg.flops_per_token(128) == expected
+
+
+def test_moe_flops_per_token_counts_active_experts_and_mtp():
+    cfg = get_config("deepseek-v3-tiny")
+    d, v, h = cfg.dim, cfg.vocab_size, cfg.n_heads
+    qk, vd = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    active = cfg.num_params(embeddings=False, active=True)
+    # the MTP depth runs the output head and one more full-attention block
+    expected = 6 * (active + 2 * v * d) + 6 * (cfg.n_layers + 1) * h * (qk + vd) * 64
+    assert cfg.flops_per_token(64) == expected
+    experts = cfg.moe
+    full = cfg.replace(moe=experts.replace(top_k=4))
+    assert full.flops_per_token(64) > cfg.flops_per_token(64)  # only the chosen experts count

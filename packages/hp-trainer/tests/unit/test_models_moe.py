@@ -199,21 +199,22 @@ def test_qwen3_5_moe(tmp_path):
 
 
 def _mtp_by_hand(model, tokens):
-    """DeepSeek-V3 report, section 2.2, written out: h^0 the main stack's last hidden states;
-    h^k_i = TRM_k(M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]) over the positions that have
-    a later token; loss = weight / D * sum_k CE(OutHead(norm_k(h^k_i)), t_{i+k+1})."""
+    """DeepSeek-V3 report, section 2.2, written out: h^0 the main stack's last hidden states
+    after its final norm (Megatron-Core's and vLLM's input to the MTP module); h^k_i =
+    norm_k(TRM_k(M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)])) over the positions that
+    have a later token; loss = weight / D * sum_k CE(OutHead(h^k_i), t_{i+k+1})."""
     h = model.tok_embeddings(tokens)
     for layer in model.layers.values():
         h = layer(h, model.rope_cos, model.rope_sin)
-    logits = model.output(model.norm(h))
+    prev = model.norm(h)
+    logits = model.output(prev)
     t = tokens.shape[1]
     total = 0.0
-    prev = h
     for k, m in enumerate(model.mtp, start=1):
         emb = model.tok_embeddings(tokens[:, k:])
         x = m.eh_proj(torch.cat([m.enorm(emb), m.hnorm(prev[:, : t - k])], -1))
-        prev = m.block(x, model.rope_cos, model.rope_sin)
-        pred = model.output(m.norm(prev))[:, :-1]
+        prev = m.norm(m.block(x, model.rope_cos, model.rope_sin))
+        pred = model.output(prev)[:, :-1]
         total = total + F.cross_entropy(pred.reshape(-1, VOCAB), tokens[:, k + 1 :].reshape(-1))
     return logits, model.config.mtp_loss_weight / len(model.mtp) * total
 

@@ -115,3 +115,26 @@ def test_local_hf_tokenizer_and_jsonl_data(tmp_path):
     trainer = LLMTrainer(cfg)
     assert int(trainer.data.tokens.max()) < 200
     assert len(trainer.train()) == 3
+
+
+def test_mtp_loss_metric_is_each_steps_own(tmp_path):
+    """DeepSeek-V3's multi-token prediction loss in the metrics: per step (not a running
+    sum), the mean over the step's microbatches, equal to the model's own on the same data
+    (learning rate 0 and the expert bias held fixed keep the model as it was)."""
+    extra = ["--model.name", "deepseek-v3-tiny", "--training.lr", "0", "--checkpoint.enable"]
+    extra += ["false", "--moe.load_balance_coeff", "0", "--training.local_batch_size", "2"]
+    seen = []
+
+    class Record(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            seen.append(metrics["mtp_loss"])
+
+    trainer = LLMTrainer(_cfg(tmp_path, "m", 3, extra), callbacks=[Record()])
+    trainer.train()
+    model = trainer.model
+    for step, got in enumerate(seen, start=1):
+        model.mtp_loss.zero_()
+        for x, _ in trainer.data.local_batches(step, 0, 1, 2):
+            model(x)
+        assert got == pytest.approx(model.mtp_loss.item() / 2, rel=1e-5)
+        assert got > 0

@@ -247,6 +247,22 @@ class TransformerConfig:
         mtp = self.mtp_layers * (3 * d + 2 * d * d + attn + ffn(last) + 2 * d)
         return layers + mtp + d + (emb if embeddings else 0)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward) as torchtitan counts them: 6 x the
+        parameters one token uses, without the input embedding (the output projection computes
+        even when tied, once more per multi-token prediction depth), plus 6 x heads x (query/key
+        + value head dims) x ``seq_len`` for the scores and values of each full-attention block
+        (MTP's too; Qwen3.5's linear-attention blocks count by their parameters)."""
+        n = self.num_params(embeddings=False, active=True)
+        n += (1 + self.mtp_layers) * self.vocab_size * self.dim
+        types = self.layer_types or ("full_attention",) * self.n_layers
+        full = sum(t == "full_attention" for t in types) + self.mtp_layers
+        if self.architecture == "deepseek_v3":
+            qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        else:
+            qk = v = self.hd
+        return 6 * n + 6 * full * self.n_heads * (qk + v) * seq_len
+
     def _mla_params(self) -> int:
         d, h = self.dim, self.n_heads
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim

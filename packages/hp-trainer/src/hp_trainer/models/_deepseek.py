@@ -101,9 +101,9 @@ class MLAttention(nn.Module):
 class MTPModule(nn.Module):
     """One multi-token prediction depth (DeepSeek-V3 report, section 2.2): the previous depth's
     hidden states and the embeddings of the tokens one further ahead, each normalised,
-    concatenated (embedding first) and projected back to ``dim``, then one transformer block
-    and a final norm; the output head is the main model's. ``forward(h, emb, cos, sin)`` on
-    ``(batch, seq, dim)`` pairs already aligned."""
+    concatenated (embedding first) and projected back to ``dim``, then one transformer block;
+    ``norm`` (applied by the caller) feeds the main model's output head and the next depth.
+    ``forward(h, emb, cos, sin)`` on ``(batch, seq, dim)`` pairs already aligned."""
 
     def __init__(self, cfg: TransformerConfig, layer: int) -> None:
         super().__init__()

@@ -265,18 +265,20 @@ class Transformer(nn.Module):
             h = tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        out = self.norm(h) if self.norm is not None else h
-        out = self.output(out) if self.output is not None else out
+        h = self.norm(h) if self.norm is not None else h
+        out = self.output(h) if self.output is not None else h
         if self.mtp is not None and self.training and torch.is_grad_enabled():
             out = self._attach_mtp(out, h, tokens)
         return out
 
     def _attach_mtp(self, logits, h, tokens):
-        """DeepSeek-V3's MTP loss, ``weight / D * sum_k CE_k``: depth ``k`` combines the hidden
-        states of depth ``k - 1`` at position ``i`` with the embedding of token ``i + k`` and
-        predicts token ``i + k + 1`` (positions whose target lies in this sequence). Its
-        gradient is attached to the logits (as the MoE balance loss is to the layer output),
-        so the training loop computes only the main loss."""
+        """DeepSeek-V3's MTP loss, ``weight / D * sum_k CE_k``: depth ``k`` combines the
+        normalised hidden states of depth ``k - 1`` at position ``i`` (the main stack's after
+        its final norm, as Megatron-Core, vLLM and SGLang feed DeepSeek's MTP module; then
+        each module's after its own) with the embedding of token ``i + k`` and predicts token
+        ``i + k + 1`` (positions whose target lies in this sequence). Its gradient is attached
+        to the logits (as the MoE balance loss is to the layer output), so the training loop
+        computes only the main loss."""
         from hp_moe import MoEAuxLossAutoScaler
 
         if self.tok_embeddings is None or self.output is None:
@@ -290,8 +292,8 @@ class Transformer(nn.Module):
             if t - k < 2:
                 break
             emb = self.tok_embeddings(tokens[:, k:])
-            h = module(h[:, : t - k], emb, self.rope_cos, self.rope_sin)
-            pred = self.output(module.norm(h[:, :-1]))
+            h = module.norm(module(h[:, : t - k], emb, self.rope_cos, self.rope_sin))
+            pred = self.output(h[:, :-1])
             total = total + F.cross_entropy(
                 pred.reshape(-1, pred.shape[-1]).float(), tokens[:, k + 1 :].reshape(-1)
             )
