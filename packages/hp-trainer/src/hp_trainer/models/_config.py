@@ -717,8 +717,8 @@ def _qwen3_5(dim, layers, heads, kv_heads, ffn, linear_heads, tie):
 
 
 def _qwen3_moe(dim, layers, heads, ffn, moe_hidden):
-    """Qwen3-MoE: Qwen3 attention (8 query heads of 128 per... as published) with every
-    block's feed-forward a MoE of 128 experts, top-8, normalised gates."""
+    """Qwen3-MoE: Qwen3 attention (``heads`` query heads of 128 and 4 key/value heads, as
+    published) with every block's feed-forward a MoE of 128 experts, top-8, normalised gates."""
     return _qwen3(dim, layers, heads, ffn, False).replace(
         n_kv_heads=4,
         moe=MoEConfig(
