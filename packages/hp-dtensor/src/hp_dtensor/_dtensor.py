@@ -210,17 +210,23 @@ class DTensor(torch.Tensor):
         ``grad_placements`` says how the gradient arriving at the local tensor is laid out when
         it differs from this tensor's placements (e.g. ``[Partial()]`` when code after
         ``to_local`` ran on different data per rank); by default it is taken to match them.
+        A partial gradient of an all-gathered activation is reduce-scattered by the gather's
+        adjoint (NOTE [Gathered activations]) rather than all-reduced here.
         """
         if grad_placements is None:
             return _redundant_local(self)
-        gp = normalize_placements(
-            grad_placements, self._spec.mesh.ndim, self.ndim, arg="grad_placements"
+        gp = list(
+            normalize_placements(
+                grad_placements, self._spec.mesh.ndim, self.ndim, arg="grad_placements"
+            )
         )
         target = _dual_placements(self._spec.placements)
-        local = _redundant_local(self)
-        if gp == target or not (torch.is_grad_enabled() and local.requires_grad):
+        if not (torch.is_grad_enabled() and self._local.requires_grad):
+            return self._local
+        local = _gathered_local_with_partial_grad(self, gp, target)
+        if tuple(gp) == tuple(target):
             return local
-        return _GradAs.apply(local, self._spec, gp)
+        return _GradAs.apply(local, self._spec, tuple(gp))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole tensor on every rank (a collective unless already replicated)."""
@@ -511,6 +517,30 @@ def _redundant_local(d: DTensor) -> torch.Tensor:
         elif info.state[m] == "partial":
             scale /= d._spec.mesh.shape[m]
     return ScaleGrad.apply(local, scale) if scale != 1.0 else local
+
+
+def _gathered_local_with_partial_grad(d: DTensor, gp: list, target) -> torch.Tensor:
+    """``to_local(grad_placements=gp)`` of a gathered activation: a mesh dim whose gradient
+    is ``Partial(sum)`` is a split use (its gradient goes partial, reduce-scattered by the
+    gather; ``gp`` then needs no conversion there), as in :func:`_split_use_local`; the other
+    gathered dims are an exact use, as in :func:`_redundant_local`. ``gp`` is updated in
+    place."""
+    info = d._gr.get("gather") if (d._spec.gathered and d._gr is not None) else None
+    if info is None:
+        return d._local
+    scale = 1.0
+    for m in info.dims:
+        st = info.state[m]
+        if type(gp[m]) is Partial and gp[m].reduce_op == "sum":
+            if st == "undecided":
+                info.state[m] = st = "partial"
+            if st == "partial":  # summed by the gather's reduce-scatter
+                gp[m] = target[m]
+        elif st == "undecided":
+            info.state[m] = "exact"
+        elif st == "partial":
+            scale /= d._spec.mesh.shape[m]
+    return ScaleGrad.apply(d._local, scale) if scale != 1.0 else d._local
 
 
 def _split_use_local(d: DTensor, dims):

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hp_testing.pytest_plugin import rank_pool_fixture
@@ -202,6 +203,44 @@ def _second_review():
         (y + z).backward()
         (ry + rz).backward()
         r[case] = _close(xs.grad.full_tensor(), rx.grad)
+    # to_local(grad_placements=[Partial()]) of a gathered activation, each rank's work after it
+    # different: the gradient is the sum over ranks, whichever use of the activation comes
+    # first (the partial one first: reduce-scattered by the gather)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for case in ("partial_first", "split_first", "exact_first"):
+        xs = hp.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        rx = x.clone().requires_grad_()
+        gx = xs.redistribute(mesh, [Replicate()])
+        parts = []
+        if case == "split_first":
+            parts.append(torch.mm(gx, ws).full_tensor().sum())
+        if case == "exact_first":
+            parts.append(gx.to_local().sin().sum())
+        local = gx.to_local(grad_placements=[Partial()])
+        parts.append((local * (rank + 1)).pow(2).sum())
+        if case == "partial_first":
+            parts.append(torch.mm(gx, ws).full_tensor().sum())
+        sum(parts).backward()
+        ref = sum((rx * (r + 1)).pow(2).sum() for r in range(n))
+        if case != "exact_first":
+            ref = ref + (rx @ w).sum()
+        else:
+            ref = ref + rx.sin().sum()
+        ref.backward()
+        r[f"to_local_partial_{case}"] = _close(xs.grad.full_tensor(), rx.grad)
+    # ... and in the backward, the partial gradient is reduce-scattered, not all-reduced
+    platform = hp.get_platform("cpu")
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("all_reduce", "reduce_scatter_into"):
+            inner = getattr(platform, name)
+            mp.setattr(
+                platform, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k)
+            )
+        xs = hp.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        local = xs.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        (local * (rank + 1)).sum().backward()
+    r["to_local_partial_reduce_scatters"] = calls == ["reduce_scatter_into"]
     # losses over class shards where a rank holds no classes, or a -inf logit
     logits = torch.randn(5, 1, generator=g)
     tgt = torch.zeros(5, dtype=torch.long)

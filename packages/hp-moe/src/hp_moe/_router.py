@@ -69,7 +69,8 @@ def check_routing(
 class TokenChoiceTopKRouter(nn.Module):
     """Each token picks its ``top_k`` experts from a linear gate's scores.
 
-    Scores are computed in float32 (``softmax`` or ``sigmoid`` of ``gate(x)``). An expert bias
+    Scores are computed in float32, or float64 for float64 inputs (``softmax`` or ``sigmoid``
+    of ``gate(x)``). An expert bias
     (auxiliary-loss-free balancing) is added to the scores only to choose the experts; the gate
     values returned are the unbiased scores of the chosen experts, then normalised to sum to one
     per token when ``route_norm`` and multiplied by ``route_scale``. With
@@ -113,8 +114,9 @@ class TokenChoiceTopKRouter(nn.Module):
         self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """``(T, dim)`` -> ``(T, E)`` float32 scores."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        """``(T, dim)`` -> ``(T, E)`` scores in float32 (float64 for float64 ``x``)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         if self.score_func == "softmax":
             return torch.softmax(logits, dim=-1)
         return torch.sigmoid(logits)

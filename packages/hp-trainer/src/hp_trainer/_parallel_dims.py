@@ -127,9 +127,10 @@ class ParallelDims:
             )
         if mtp_layers and self.tp > 1:
             problems.append(
-                f"{KEYS['tp']}={self.tp}: multi-token prediction shifts the sequence by one "
-                "token per depth, which sequence-sharded activations cannot do in place (not "
-                "supported yet): set it to 1, or model.mtp_layers = 0"
+                f"{KEYS['tp']}={self.tp}: multi-token prediction is not supported with "
+                "tensor parallelism yet (each depth shifts the whole sequence by one token, "
+                "which its sequence shards cannot do in place): set it to 1, or "
+                "model.mtp_layers = 0"
             )
         tp = KEYS["tp"]
         if n_heads % self.tp:

@@ -20,14 +20,12 @@ __all__ = ["SCHEDULES", "StageSet", "layer_ranges", "pipeline_llama", "split_sta
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
-def layer_ranges(
-    cfg, n_stages: int, seq_len: int | None = None, *, ep: int = 1
-) -> list[tuple[int, int]]:
+def layer_ranges(cfg, n_stages: int, seq_len: int | None = None) -> list[tuple[int, int]]:
     """Blocks ``[lo, hi)`` per stage, balanced by ``hp_pipeline.balance_stages`` on the cost per
-    token of each block (``6 x`` its parameters plus attention over ``seq_len``) with the output
-    projection's cost on the last block and the embedding's memory on the first: with a large
-    vocabulary the last stage gets fewer blocks. A MoE block costs its active experts and holds
-    ``1 / ep`` of its routed experts (expert parallelism over ``ep`` ranks)."""
+    token of each block (``6 x`` its parameters plus attention over ``seq_len``; a MoE block's
+    active experts only) with the output projection's cost on the last block: with a large
+    vocabulary the last stage gets fewer blocks. The blocks' parameter memory (all experts)
+    goes into the plan too, but no memory limit is imposed: the split balances time."""
     from hp_pipeline import balance_stages
 
     n = cfg.n_layers
@@ -42,8 +40,7 @@ def layer_ranges(
         dense = cfg.replace(moe=None, mtp_layers=0)
         dense_block = (dense.num_params(embeddings=False) - cfg.dim) / n
         swap = moe.num_params(cfg.dim, active=True) - 3 * cfg.dim * cfg.ffn_hidden
-        routed = moe.num_experts * 3 * cfg.dim * moe.hidden_dim
-        total = moe.num_params(cfg.dim) - 3 * cfg.dim * cfg.ffn_hidden - routed * (1 - 1 / ep)
+        total = moe.num_params(cfg.dim) - 3 * cfg.dim * cfg.ffn_hidden
         for i in range(n):
             active = dense_block + (swap if moe.is_moe(i) else 0)
             costs[i] = 6 * active + 12 * cfg.dim * seq
@@ -139,7 +136,7 @@ def pipeline_llama(
     n_stages = pp * v
     placement = build_schedule(schedule, pp, n_microbatches)[1]
     rank = mesh.get_local_rank("pp")
-    ranges = layer_ranges(model.config, n_stages, ep=parallel_dims.ep)
+    ranges = layer_ranges(model.config, n_stages)
     mods = {}
     for s in range(n_stages):
         if placement[s] == rank:

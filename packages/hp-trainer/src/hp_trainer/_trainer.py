@@ -285,6 +285,11 @@ class LLMTrainer:
         self.moe_group = None  # the ranks whose MoE layers saw different tokens
         if mc.moe is not None:
             self._setup_moe()
+        # the MTP loss's gradient divided over the microbatches, as the main loss is
+        n_micro = self.pipeline_microbatches if self.schedule is not None else self.micro_batches
+        for m in self.model.modules():
+            if isinstance(m, Transformer):
+                m.mtp_loss_scale = 1.0 / n_micro
         self.scheduler = get_hyper_lr_scheduler(
             self.optimizer,
             {
@@ -320,7 +325,7 @@ class LLMTrainer:
 
     def _setup_moe(self) -> None:
         """Balance statistics over the data-parallel ranks of this stage, summed over the whole
-        step (the expert bias moves in an optimizer pre-step hook); the balance and MTP losses'
+        step (the expert bias moves in an optimizer pre-step hook); the balance losses'
         gradients scaled as the main loss is (divided over the microbatches)."""
         import hp_moe
 
@@ -334,9 +339,6 @@ class LLMTrainer:
         if any(isinstance(m, hp_moe.MoE) for m in self.model.modules()):
             hp_moe.register_expert_bias_update(self.optimizer, self.model, group=self.moe_group)
             hp_moe.set_aux_loss_scale(self.model, 1.0 / n)
-        for m in self.model.modules():
-            if isinstance(m, Transformer):
-                m.mtp_loss_scale = 1.0 / n
 
     def moe_statistics(self) -> list[dict]:
         """Every MoE layer's statistics of the step so far (``hp_moe.moe_statistics``; the

@@ -274,6 +274,10 @@ def _check(cfg: JobConfig) -> None:
             f"moe.aux_loss_type={m.aux_loss_type!r}: use sequence, batch or global (or leave "
             "it out for the model's)"
         )
+    if cfg.model.mtp_layers < -1:
+        problems.append(
+            f"model.mtp_layers={cfg.model.mtp_layers}: must be >= 0, or -1 (the model's)"
+        )
     for key in ("aux_loss_coeff", "load_balance_coeff"):
         v = getattr(m, key)
         if v < 0 and v != -1:

@@ -33,6 +33,7 @@ def _batch(step):
 VARIANTS = {
     "deepseek-v3-tiny": ("deepseek-v3-tiny", {"mtp_layers": 0}),
     "deepseek-v3-tiny-no-q-lora": ("deepseek-v3-tiny", {"mtp_layers": 0, "q_lora_rank": None}),
+    "deepseek-v3-tiny-bias": ("deepseek-v3-tiny", {"mtp_layers": 0, "attention_bias": True}),
 }
 
 
@@ -40,7 +41,7 @@ def _model(name):
     torch.manual_seed(0)
     base, overrides = VARIANTS.get(name, (name, {}))
     model = Transformer(get_config(base, max_seq_len=S, **overrides))
-    if name.startswith(("qwen3.5", "deepseek-v3-tiny-no-q-lora")):
+    if name.startswith(("qwen3.5", "deepseek-v3-tiny-")):
         # Gated DeltaNet's decay gradients are tiny sums of large cancelling terms: float32
         # rounding (a different reduction order, as any sharding brings) moves them ~1e-3
         # relative, and AdamW turns that into different steps. In float64 rounding is gone,
@@ -115,6 +116,45 @@ def test_first_losses_match_one_process(pool, name, dims, sp):
     assert expected[-1] < expected[0] - 0.1  # it learns: the comparison is not vacuous
     for got in pool.run(_parallel, name, dims, sp):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+
+
+def _first_gradients(name, dims=None, sp=True):
+    """Every parameter's gradient after one forward and backward on the first batch (one
+    process when ``dims`` is None), gathered whole."""
+    model = _model(name)
+    x, y = _batch(0)
+    if dims is not None:
+        pd = ParallelDims(**dims, world_size=dist.get_world_size())
+        mesh = pd.build_mesh("cpu")
+        model = parallelize_llama(
+            model, parallel_dims=pd, mesh=mesh, config=ParallelizeConfig(sequence_parallel=sp)
+        )
+        names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
+        shard = coord[names.index("dp_shard")] if "dp_shard" in names else 0
+        mine = slice(shard * B // pd.dp, (shard + 1) * B // pd.dp)
+        x, y = x[mine], y[mine]
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+        for n, p in model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize(
+    "name,sp",
+    [
+        ("deepseek-v3-tiny-no-q-lora", True),
+        ("deepseek-v3-tiny-bias", False),  # latent projections' and wo's biases
+    ],
+)
+def test_mla_tensor_parallel_gradients_equal_one_process(pool, name, sp):
+    """Losses alone would hide a constant factor on one tensor's gradient (AdamW normalises
+    it away): every gradient of MLA under FSDP 2 x TP 2 against one process, in float64."""
+    expected = _first_gradients(name)
+    for got in pool.run(_first_gradients, name, {"tp": 2}, sp):
+        assert got.keys() == expected.keys()
+        for k, g in expected.items():
+            torch.testing.assert_close(got[k], g, rtol=1e-9, atol=1e-12, msg=k)
 
 
 def _with_kernels(name, dims, sp):

@@ -170,6 +170,8 @@ def test_moe_section_and_its_checks(tmp_path):
         preflight(load_config(None, tp), 4)
     _, mc = preflight(load_config(None, [*tp, "--model.mtp_layers", "0"]), 4)
     assert mc.mtp_layers == 0 and mc.architecture == "deepseek_v3"
+    with pytest.raises(ConfigError, match=r"model.mtp_layers=-2: must be >= 0, or -1"):
+        load_config(None, ["--model.mtp_layers", "-2"])
     with pytest.raises(ConfigError, match="model.mtp_layers=1: mtp_layers: multi-token"):
         preflight(load_config(None, ["--model.mtp_layers", "1"]), 1)  # llama has none
     with pytest.raises(ConfigError, match="does not divide the 8 experts"):

@@ -451,12 +451,14 @@ class TransformerConfig:
             return "DeepseekV3"
         if self.moe is None:
             return {"llama": "Llama", "qwen3": "Qwen3", "qwen3_5": "Qwen3_5"}[self.architecture]
-        return {"qwen3": "Qwen3Moe", "qwen3_5": "Qwen3_5Moe"}.get(self.architecture, "?")
+        return {"qwen3": "Qwen3Moe", "qwen3_5": "Qwen3_5Moe"}.get(self.architecture, "Llama")
 
     def _hf_inexpressible(self) -> list[str]:
         """The MoE settings of this configuration its HuggingFace family has no field for."""
         moe = self.moe
         if moe is None:
+            if self.architecture == "deepseek_v3":
+                return ["a DeepSeek-V3 without MoE layers"]
             return []
         if self.architecture == "llama":
             return ["a Llama with MoE layers (use qwen3 or deepseek_v3)"]
@@ -570,8 +572,9 @@ class TransformerConfig:
         first_k = len(dense)
         if dense != list(range(first_k)):
             raise ConfigError(
-                "deepseek_v3 in HuggingFace format keeps its dense layers first "
-                f"(first_k_dense_replace); this model has dense layers {dense}"
+                "to_hf: deepseek_v3 in HuggingFace format keeps its dense layers first "
+                f"(first_k_dense_replace); this model has dense layers {dense}: make "
+                "moe.layers a suffix of the blocks"
             )
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:

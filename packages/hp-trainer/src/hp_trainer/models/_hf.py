@@ -341,7 +341,8 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int = 5 * 2**3
     moved = [k for k in biases if _full(model.get_buffer(k)).abs().max() > 0]
     if moved:
         raise ConfigError(
-            f"save_pretrained: {moved[0]} (and {len(moved) - 1} more) is not zero, and "
+            f"save_pretrained: {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} not "
+            f"zero, and "
             f"transformers' {cfg._hf_family()} has no expert bias: the exported model would "
             "route differently: train it without moe.load_balance_coeff"
         )

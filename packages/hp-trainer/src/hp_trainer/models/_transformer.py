@@ -244,12 +244,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device=None) -> None:
-        """Recompute the rotary tables (non-persistent buffers) on ``device``."""
+        """Recompute the rotary tables and zero the MTP loss sum (non-persistent float32
+        buffers, whatever the parameters' dtype) on ``device``."""
         device = device or self.rope_cos.device
         if device.type == "meta":
             return
         cos, sin = rotary_tables(self.config, device)
         self.rope_cos, self.rope_sin = cos, sin
+        if self.mtp is not None:
+            self.mtp_loss = torch.zeros((), device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[b, s]`` -> logits ``[b, s, vocab]``. A pipeline stage without the
