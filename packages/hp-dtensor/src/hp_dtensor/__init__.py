@@ -35,6 +35,7 @@ from ._shard_math import chunk_size_and_offset, local_shape_and_offset
 from ._spec import DTensorSpec
 from .errors import (
     BackendError,
+    ContextParallelError,
     HPDTensorError,
     LayoutError,
     MeshError,
@@ -67,6 +68,7 @@ __all__ = [
     "BackendError",
     "Call",
     "DFunction",
+    "ContextParallelError",
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "ContextParallelError",
     "HPDTensorError",
     "LayoutError",
     "MeshError",
@@ -35,6 +36,11 @@ class LayoutError(HPDTensorError, ValueError):
 
 class ShardingError(HPDTensorError, RuntimeError):
     """Operands that cannot be combined: different meshes, mixed DTensor and torch.Tensor."""
+
+
+class ContextParallelError(HPDTensorError, ValueError):
+    """Context-parallel inputs that do not fit: a sequence not divisible into the chunks, heads
+    that do not divide over the ranks, an unknown method, an unsupported attention option."""
 
 
 class BackendError(HPDTensorError, RuntimeError):

@@ -11,6 +11,13 @@ Styles are immutable values applied to submodules chosen by path patterns::
 """
 
 from ._api import parallelize_module
+from ._context import (
+    AsyncContextParallel,
+    ContextParallel,
+    context_parallel_attention,
+    context_parallel_shard,
+    context_parallel_unshard,
+)
 from ._loss import loss_parallel
 from ._style import (
     ColwiseParallel,
@@ -23,13 +30,18 @@ from ._style import (
 )
 
 __all__ = [
+    "AsyncContextParallel",
     "ColwiseParallel",
+    "ContextParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "context_parallel_attention",
+    "context_parallel_shard",
+    "context_parallel_unshard",
     "loss_parallel",
     "parallelize_module",
 ]

@@ -1,0 +1,721 @@
+"""Context parallelism: a sequence split over the ranks of a 1-D ``cp`` mesh, and attention
+over the whole sequence computed from the pieces.
+
+``context_parallel_shard`` / ``context_parallel_unshard`` cut a tensor along its sequence
+dimension and put it back (see ``_cp_plan`` for the chunk layout; load balancing gives rank
+``r`` chunks ``r`` and ``2 cp - 1 - r`` so that causal work is even).
+``context_parallel_attention`` takes this rank's queries, keys and values in SDPA layout
+``(batch, heads, seq_local, head_dim)`` and returns this rank's output:
+
+- ``"ring"``: the keys and values travel around the ring, one rank's per step; each step
+  attends this rank's queries to them as blocks of whole chunks (full or causal) with a fused
+  attention kernel that also returns the log-sum-exp (CPU flash; cuDNN or flash on CUDA), and
+  the partial outputs are merged by log-sum-exp in float32 (float64 for float64 inputs). The
+  backward recomputes the blocks from the merged output and log-sum-exp, and the key/value
+  gradients travel back with their blocks.
+- ``"allgather"``: the keys and values are all-gathered once (their gradients reduce-scattered);
+  then the same blocks.
+- ``"ulysses"``: all-to-all from sequence-split to head-split, ordinary attention over the
+  whole sequence for this rank's heads, and back. With fewer key/value heads than ranks, the
+  key/value heads are replicated so each rank has the one its query heads use.
+
+``overlap=True`` (``AsyncContextParallel``) posts the next step's key/value transfer before
+this step's blocks, so they run together. ``ContextParallel`` / ``AsyncContextParallel`` apply
+it to an attention module through ``parallelize_module``: inside the module's forward, calls
+to ``torch.nn.functional.scaled_dot_product_attention`` become context-parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .._backend import get_platform
+from .._mesh import DeviceMesh
+from ..errors import ContextParallelError, MeshError
+from . import _cp_plan as plan
+from ._style import ParallelStyle
+
+__all__ = [
+    "METHODS",
+    "AsyncContextParallel",
+    "ContextParallel",
+    "context_parallel_attention",
+    "context_parallel_shard",
+    "context_parallel_unshard",
+]
+
+#: the attention methods of ``context_parallel_attention``
+METHODS = ("ring", "allgather", "ulysses")
+
+
+# -- checks -------------------------------------------------------------------------------------
+def _check_mesh(mesh: Any, fn: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"{fn}: mesh must be a DeviceMesh (the cp one), got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise MeshError(
+            f"{fn}: context parallelism needs a 1-D mesh, got a {mesh.ndim}-D one "
+            f"{mesh.mesh_dim_names}: pass mesh['cp']"
+        )
+    if getattr(mesh, "framework", "torch") != "torch":
+        raise MeshError(f"{fn}: context parallelism runs on torch meshes only")
+
+
+def _check_length(length: int, cp: int, load_balance: bool, what: str) -> None:
+    n = plan.num_chunks(cp, load_balance)
+    if length % n:
+        how = f"2 x cp = {n} (load_balance=True)" if load_balance else f"cp = {n}"
+        raise ContextParallelError(
+            f"{what}: sequence length {length} is not divisible by {how}: pad the sequence to "
+            f"a multiple of {n}"
+        )
+
+
+# -- shard / unshard ----------------------------------------------------------------------------
+def context_parallel_shard(
+    x: torch.Tensor, mesh: DeviceMesh, seq_dim: int, *, load_balance: bool = True
+) -> torch.Tensor:
+    """This rank's part of ``x`` along ``seq_dim`` (a new tensor): chunk ``r`` of ``cp``, or
+    with ``load_balance`` chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``, concatenated.
+    Differentiable."""
+    _check_mesh(mesh, "context_parallel_shard")
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    dim = seq_dim % x.ndim
+    _check_length(x.shape[dim], cp, load_balance, f"context_parallel_shard(seq_dim={seq_dim})")
+    c = x.shape[dim] // plan.num_chunks(cp, load_balance)
+    parts = [x.narrow(dim, ch * c, c) for ch in plan.local_chunks(cp, rank, load_balance)]
+    return torch.cat(parts, dim)
+
+
+def _gather_seq(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim``, rank 0's first."""
+    cp = mesh.size()
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((cp * xt.shape[0], *xt.shape[1:]))
+    get_platform(mesh.device_type).all_gather_into(out, xt, mesh.get_group())
+    return out.movedim(0, dim)
+
+
+def _to_natural(x: torch.Tensor, dim: int, cp: int, load_balance: bool, inverse=False):
+    """Reorder the chunks of ``x`` along ``dim`` between the ranks' layout (every rank's local
+    chunks, rank 0's first) and the global order (``inverse``: global -> layout)."""
+    n = plan.num_chunks(cp, load_balance)
+    if n == cp:  # one chunk per rank: the layout is the global order
+        return x
+    order = plan.natural_order(cp, load_balance)
+    if inverse:
+        order = [order.index(i) for i in range(n)]
+    shape = x.shape
+    chunks = x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1 :])
+    idx = torch.tensor(order, device=x.device)
+    return chunks.index_select(dim, idx).reshape(shape)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, dim, load_balance):
+        ctx.mesh, ctx.dim, ctx.lb = mesh, dim, load_balance
+        return _to_natural(_gather_seq(x, mesh, dim), dim, mesh.size(), load_balance)
+
+    @staticmethod
+    def backward(ctx, g):
+        part = context_parallel_shard(g, ctx.mesh, ctx.dim, load_balance=ctx.lb)
+        return part, None, None, None
+
+
+def context_parallel_unshard(
+    x_local: torch.Tensor, mesh: DeviceMesh, seq_dim: int, *, load_balance: bool = True
+) -> torch.Tensor:
+    """The whole tensor from every rank's ``context_parallel_shard`` part (an all-gather).
+    Differentiable: the result is a replicated value (the same on every rank), so the gradient
+    reaching this rank's part is this rank's chunks of the incoming gradient."""
+    _check_mesh(mesh, "context_parallel_unshard")
+    dim = seq_dim % x_local.ndim
+    n = len(plan.local_chunks(mesh.size(), mesh.get_local_rank(), load_balance))
+    if x_local.shape[dim] % n:
+        raise ContextParallelError(
+            f"context_parallel_unshard(seq_dim={seq_dim}): local length {x_local.shape[dim]} "
+            f"is not divisible by the {n} chunks a rank holds (load_balance={load_balance})"
+        )
+    return _Unshard.apply(x_local, mesh, dim, load_balance)
+
+
+# -- block kernels --------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _fused_kind(q: torch.Tensor, v: torch.Tensor) -> str:
+    """Which fused kernel serves a block: the CPU flash kernel; on CUDA for half types cuDNN's
+    attention (what SDPA picks on Hopper; head dims up to 128, multiples of 8) or else flash;
+    the math fallback for anything else (value heads wider than query heads too)."""
+    if v.shape[-1] > q.shape[-1]:
+        return "math"
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        d = q.shape[-1]
+        if torch.backends.cuda.cudnn_sdp_enabled() and d % 8 == 0 and d <= 128:
+            return "cudnn"
+        return "flash"
+    return "math"
+
+
+def _pad_v(v: torch.Tensor, d: int) -> torch.Tensor:
+    """Value heads narrower than the query heads, zero-padded for the fused kernels."""
+    return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
+
+
+def _block_fwd(q, k, v, causal: bool, scale: float):
+    """``(out, lse, aux)`` of one block: ``out`` in q's dtype, ``lse`` in the accumulation
+    dtype, ``aux`` what the backward of the kernel needs."""
+    kind = _fused_kind(q, v)
+    acc = _acc_dtype(q.dtype)
+    dv = v.shape[-1]
+    if kind == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, _pad_v(v, q.shape[-1]), 0.0, causal, attn_mask=None, scale=scale
+        )
+        return out[..., :dv], lse.to(acc), None
+    if kind == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, _pad_v(v, q.shape[-1]), None, True, 0.0, causal, False, scale=scale
+        )
+        lse = res[1].reshape(res[1].shape[:3])  # cuDNN's is (b, h, s, 1)
+        return res[0][..., :dv], lse.to(acc), res[2:8]
+    if kind == "flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, _pad_v(v, q.shape[-1]), 0.0, causal, False, scale=scale
+        )
+        return res[0][..., :dv], res[1].to(acc), res[2:8]
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(_causal_mask(s), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    return out.to(q.dtype), lse, None
+
+
+def _causal_mask(s: torch.Tensor) -> torch.Tensor:
+    lq, lk = s.shape[-2:]
+    return torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1)
+
+
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    """``(dq, dk, dv)`` of one block, in the accumulation dtype, from the merged output and
+    log-sum-exp of its queries (the standard recomputation)."""
+    kind = _fused_kind(q, v)
+    acc = _acc_dtype(q.dtype)
+    d, dv_dim = q.shape[-1], v.shape[-1]
+    if kind == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad_v(dout, d),
+            q,
+            k,
+            _pad_v(v, d),
+            _pad_v(out, d),
+            lse,
+            0.0,
+            causal,
+            attn_mask=None,
+            scale=scale,
+        )
+        return dq.to(acc), dk.to(acc), dv[..., :dv_dim].to(acc)
+    if kind in ("cudnn", "flash"):  # the CUDA kernels' backward takes dense slices
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        q, k = q.contiguous(), k.contiguous()
+        dout, v, out = (_pad_v(t, d).contiguous() for t in (dout, v, out))
+        if kind == "cudnn":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse.float().unsqueeze(-1).contiguous(),
+                seed,
+                offset,
+                None,
+                cum_q,
+                cum_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                scale=scale,
+            )
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse.float().contiguous(),
+                cum_q,
+                cum_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                seed,
+                offset,
+                scale=scale,
+            )
+        return dq.to(acc), dk.to(acc), dv[..., :dv_dim].to(acc)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(_causal_mask(s), float("-inf"))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    g = dout.to(acc)
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    dp = torch.matmul(g, va.transpose(-1, -2))
+    delta = (g * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    return torch.matmul(ds, ka) * scale, torch.matmul(ds.transpose(-1, -2), qa) * scale, dv
+
+
+def _merge(out, lse, lo, hi, o, lb) -> None:
+    """Fold a block's ``(o, lb)`` into the running ``(out, lse)`` of query rows ``lo:hi``."""
+    cur_o, cur_l = out[:, :, lo:hi], lse[:, :, lo:hi]
+    new = torch.logaddexp(cur_l, lb)
+    out[:, :, lo:hi] = cur_o * torch.exp(cur_l - new).unsqueeze(-1) + o.to(out.dtype) * torch.exp(
+        lb - new
+    ).unsqueeze(-1)
+    lse[:, :, lo:hi] = new
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+# -- communication ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Config:
+    mesh: DeviceMesh
+    cp: int
+    rank: int
+    load_balance: bool
+    causal: bool
+    scale: float
+    groups: int  # query heads per key/value head
+    method: str
+    overlap: bool
+
+
+class _Shift:
+    """Tensors of one dtype sent to the next rank of the ring and received from the previous
+    one, as one all-to-all with a single non-empty split each way."""
+
+    def __init__(self, tensors: list[torch.Tensor], cfg: _Config) -> None:
+        self.shapes = [t.shape for t in tensors]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.buf = torch.empty_like(flat)
+        n, cp, r = flat.numel(), cfg.cp, cfg.rank
+        send = [0] * cp
+        recv = [0] * cp
+        send[(r + 1) % cp] = n
+        recv[(r - 1) % cp] = n
+        self.work = get_platform(cfg.mesh.device_type).all_to_all(
+            self.buf, flat, recv, send, cfg.mesh.get_group(), async_op=True
+        )
+        self._keep = flat
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        self._keep = None
+        sizes = [math.prod(s) for s in self.shapes]
+        return [p.view(s) for p, s in zip(self.buf.split(sizes), self.shapes)]
+
+
+def _ring_blocks(k, v, cfg: _Config):
+    """Yield ``(src, k_block, v_block)`` for every rank's keys and values, this rank's first,
+    then around the ring; with ``overlap`` the next transfer is in flight meanwhile."""
+    cur = [k, v]
+    for i in range(cfg.cp):
+        src = (cfg.rank - i) % cfg.cp
+        last = i == cfg.cp - 1
+        pending = _Shift(cur, cfg) if cfg.overlap and not last else None
+        yield src, cur[0], cur[1]
+        if not last:
+            cur = (pending or _Shift(cur, cfg)).wait()
+
+
+def _gathered_blocks(k, v, cfg: _Config):
+    """Yield ``(src, k_block, v_block)`` for every rank, from one all-gather of each."""
+    ks = _stack_gather(k, cfg)
+    vs = _stack_gather(v, cfg)
+    for i in range(cfg.cp):
+        src = (cfg.rank - i) % cfg.cp
+        yield src, ks[src], vs[src]
+
+
+def _stack_gather(t: torch.Tensor, cfg: _Config) -> torch.Tensor:
+    out = t.new_empty((cfg.cp, *t.shape))
+    get_platform(cfg.mesh.device_type).all_gather_into(
+        out.view(cfg.cp * t.shape[0], *t.shape[1:]), t.contiguous(), cfg.mesh.get_group()
+    )
+    return out
+
+
+# -- ring / all-gather attention -------------------------------------------------------------------
+def _calls(cfg: _Config, src: int, lq: int, lk: int):
+    nq = len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
+    cq, ck = lq // nq, lk // nq
+    for (qlo, qhi), (klo, khi), causal in plan.block_calls(
+        cfg.cp, cfg.rank, src, cfg.causal, cfg.load_balance
+    ):
+        yield (qlo * cq, qhi * cq), (klo * ck, khi * ck), causal
+
+
+def _forward(q, k, v, cfg: _Config, blocks=None):
+    """This rank's ``(out, lse, aux)`` over ``blocks`` (``(src, k_block, v_block)`` of every
+    rank; by default moved by ``cfg.method``)."""
+    b, h, lq, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    out = q.new_zeros((b, h, lq, v.shape[-1]), dtype=acc)
+    lse = q.new_full((b, h, lq), float("-inf"), dtype=acc)
+    aux = {}
+    if blocks is None:
+        blocks = _ring_blocks(k, v, cfg) if cfg.method == "ring" else _gathered_blocks(k, v, cfg)
+    for src, kb, vb in blocks:
+        for i, ((qlo, qhi), (klo, khi), causal) in enumerate(_calls(cfg, src, lq, kb.shape[2])):
+            o, lb, aux[(src, i)] = _block_fwd(
+                q[:, :, qlo:qhi],
+                _expand(kb[:, :, klo:khi], cfg.groups),
+                _expand(vb[:, :, klo:khi], cfg.groups),
+                causal,
+                cfg.scale,
+            )
+            _merge(out, lse, qlo, qhi, o, lb)
+    return out.to(q.dtype), lse, aux
+
+
+def _block_grads(dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb) -> None:
+    """Add the gradients of this rank's queries' blocks against rank ``src``'s keys and values
+    (``kb``, ``vb``) into ``dq`` and that block's ``dkb``, ``dvb``."""
+    for i, ((qlo, qhi), (klo, khi), causal) in enumerate(_calls(cfg, src, q.shape[2], kb.shape[2])):
+        gq, gk, gv = _block_bwd(
+            dout[:, :, qlo:qhi],
+            q[:, :, qlo:qhi],
+            _expand(kb[:, :, klo:khi], cfg.groups),
+            _expand(vb[:, :, klo:khi], cfg.groups),
+            out[:, :, qlo:qhi],
+            lse[:, :, qlo:qhi],
+            causal,
+            cfg.scale,
+            aux[(src, i)],
+        )
+        dq[:, :, qlo:qhi] += gq
+        dkb[:, :, klo:khi] += _reduce_groups(gk, cfg.groups)
+        dvb[:, :, klo:khi] += _reduce_groups(gv, cfg.groups)
+
+
+def _backward(dout, q, k, v, out, lse, aux, cfg: _Config):
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dout = dout.contiguous()
+
+    def block_grads(src, kb, vb, dkb, dvb):
+        _block_grads(dout, q, out, lse, aux, cfg, src, kb, vb, dq, dkb, dvb)
+
+    if cfg.method == "allgather":
+        ks, vs = _stack_gather(k, cfg), _stack_gather(v, cfg)
+        dks = torch.zeros(ks.shape, dtype=acc, device=k.device)
+        dvs = torch.zeros(vs.shape, dtype=acc, device=v.device)
+        for src in range(cfg.cp):
+            block_grads(src, ks[src], vs[src], dks[src], dvs[src])
+        platform, group = get_platform(cfg.mesh.device_type), cfg.mesh.get_group()
+        dk = torch.empty(k.shape, dtype=acc, device=k.device)
+        dv = torch.empty(v.shape, dtype=acc, device=v.device)
+        platform.reduce_scatter_into(dk, dks.view(-1, *k.shape[1:]), "sum", group)
+        platform.reduce_scatter_into(dv, dvs.view(-1, *v.shape[1:]), "sum", group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # ring: each block's gradient accumulators travel with it and come home after cp shifts
+    kb, vb = k, v
+    dkb = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dvb = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for i in range(cfg.cp):
+        src = (cfg.rank - i) % cfg.cp
+        last = i == cfg.cp - 1
+        kv_next = _Shift([kb, vb], cfg) if cfg.overlap and not last else None
+        block_grads(src, kb, vb, dkb, dvb)
+        if not last:
+            kb, vb = (kv_next or _Shift([kb, vb], cfg)).wait()
+        dkb, dvb = _Shift([dkb, dvb], cfg).wait()
+    return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cfg):
+        out, lse, aux = _forward(q, k, v, cfg)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg, ctx.aux = cfg, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.aux, ctx.cfg)
+        return dq, dk, dv, None
+
+
+# -- Ulysses --------------------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """``x`` ``(cp, ...)``: piece ``j`` goes to rank ``j``; the result's piece ``j`` came from
+    rank ``j``. Its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _all_to_all(x, mesh)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.mesh), None
+
+
+def _all_to_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    splits = [x[0].numel()] * mesh.size()
+    get_platform(mesh.device_type).all_to_all(
+        out.view(-1), x.view(-1), splits, splits, mesh.get_group()
+    )
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
+    """``(b, h, s_local, d)`` -> ``(b, h / cp, s, d)``, the sequence in global order."""
+    b, h, s, d = x.shape
+    n = cfg.cp
+    y = _AllToAll.apply(x.view(b, n, h // n, s, d).movedim(1, 0), cfg.mesh)
+    y = y.movedim(0, 2).reshape(b, h // n, n * s, d)
+    return _to_natural(y, 2, n, cfg.load_balance)
+
+
+def _heads_to_seq(y: torch.Tensor, cfg: _Config) -> torch.Tensor:
+    """The inverse of :func:`_seq_to_heads`."""
+    b, hl, s, d = y.shape
+    n = cfg.cp
+    y = _to_natural(y, 2, n, cfg.load_balance, inverse=True)
+    x = _AllToAll.apply(y.view(b, hl, n, s // n, d).movedim(2, 0), cfg.mesh)
+    return x.movedim(0, 1).reshape(b, hl * n, s // n, d)
+
+
+def _ulysses(q, k, v, cfg: _Config):
+    n, hkv = cfg.cp, k.shape[1]
+    if hkv % n:  # fewer key/value heads than ranks: each rank gets its query heads' one
+        k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
+    qh, kh, vh = (_seq_to_heads(t, cfg) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=cfg.causal, scale=cfg.scale, enable_gqa=kh.shape[1] != qh.shape[1]
+    )
+    return _heads_to_seq(o, cfg)
+
+
+# -- the entry point ------------------------------------------------------------------------------
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    is_causal: bool = True,
+    method: str = "ring",
+    load_balance: bool = True,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    overlap: bool = False,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, whose pieces the ranks of the
+    1-D ``mesh`` hold as ``context_parallel_shard(..., load_balance=load_balance)`` gave them.
+
+    ``q`` ``(batch, heads, seq_local, head_dim)``, ``k``/``v`` ``(batch, kv_heads, seq_local,
+    head_dim)`` (``v`` may have its own head dim); ``enable_gqa`` as in
+    ``scaled_dot_product_attention``. Returns this rank's output, differentiable. ``method``:
+    ``"ring"``, ``"allgather"`` or ``"ulysses"`` (see the module docstring); ``overlap``:
+    the next key/value transfer of the ring runs while this step's blocks compute. DTensor
+    inputs (heads split by tensor parallelism) run on their local pieces and return a DTensor
+    of the same layout. Every check happens before any communication.
+    """
+    from .._dtensor import DTensor
+
+    if isinstance(q, DTensor):  # tensor-parallel heads: rewrap this rank's pieces
+        out = context_parallel_attention(
+            q.to_local(),
+            k.to_local() if isinstance(k, DTensor) else k,
+            v.to_local() if isinstance(v, DTensor) else v,
+            mesh,
+            is_causal=is_causal,
+            method=method,
+            load_balance=load_balance,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            overlap=overlap,
+        )
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+    fn = "context_parallel_attention"
+    _check_mesh(mesh, fn)
+    if method not in METHODS:
+        raise ContextParallelError(f"{fn}: method={method!r} is not one of {METHODS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ContextParallelError(
+                f"{fn}: {name} must be (batch, heads, seq_local, head_dim), got shape "
+                f"{tuple(t.shape)}"
+            )
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    b, h, s, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[2] != s or v.shape[2] != s:
+        raise ContextParallelError(
+            f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
+            "the batch and the local sequence length"
+        )
+    if k.shape[3] != d or v.shape[1] != k.shape[1]:
+        raise ContextParallelError(
+            f"{fn}: k must have q's head dim {d} and v k's head count {k.shape[1]}"
+        )
+    hkv = k.shape[1]
+    if hkv != h and not (enable_gqa and h % hkv == 0):
+        raise ContextParallelError(
+            f"{fn}: {h} query heads and {hkv} key/value heads need enable_gqa=True and a "
+            "query head count divisible by the key/value one"
+        )
+    _check_length(s * cp, cp, load_balance, fn)
+    if method == "ulysses":
+        if h % cp:
+            raise ContextParallelError(
+                f"{fn}: method='ulysses' splits the {h} query heads over cp = {cp} ranks: use a "
+                "head count divisible by cp, or method='ring'"
+            )
+        if hkv % cp and cp % hkv:
+            raise ContextParallelError(
+                f"{fn}: method='ulysses' needs the {hkv} key/value heads to divide by cp = {cp} "
+                "or cp to divide by them (then they are replicated): use method='ring'"
+            )
+    cfg = _Config(
+        mesh=mesh,
+        cp=cp,
+        rank=rank,
+        load_balance=load_balance,
+        causal=bool(is_causal),
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
+        groups=h // hkv,
+        method=method,
+        overlap=bool(overlap),
+    )
+    if cp == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=cfg.scale, enable_gqa=hkv != h
+        )
+    if method == "ulysses":
+        return _ulysses(q, k, v, cfg)
+    return _BlockAttention.apply(q, k, v, cfg)
+
+
+# -- styles ---------------------------------------------------------------------------------------
+class _SDPAToContextParallel(TorchFunctionMode):
+    """Inside an attention module's forward: ``scaled_dot_product_attention`` calls become
+    ``context_parallel_attention`` over ``mesh``."""
+
+    def __init__(self, mesh: DeviceMesh, style: ContextParallel) -> None:
+        super().__init__()
+        self.mesh, self.style = mesh, style
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = (
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            "dropout_p",
+            "is_causal",
+            "scale",
+            "enable_gqa",
+        )
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        if a.get("attn_mask") is not None:
+            raise ContextParallelError(
+                f"{type(self.style).__name__}: scaled_dot_product_attention(attn_mask=...) is "
+                "not supported under context parallelism: use is_causal=True"
+            )
+        if a.get("dropout_p", 0.0):
+            raise ContextParallelError(
+                f"{type(self.style).__name__}: attention dropout is not supported under "
+                "context parallelism: set dropout_p=0"
+            )
+        return context_parallel_attention(
+            a["query"],
+            a["key"],
+            a["value"],
+            self.mesh,
+            is_causal=a.get("is_causal", False),
+            method=self.style.method,
+            load_balance=self.style.load_balance,
+            scale=a.get("scale"),
+            enable_gqa=a.get("enable_gqa", False),
+            overlap=self.style.overlap,
+        )
+
+
+class ContextParallel(ParallelStyle):
+    """For ``parallelize_module(attention, cp_mesh, ContextParallel(...))``: the module's
+    ``scaled_dot_product_attention`` calls run as ``context_parallel_attention`` over the
+    ranks of ``cp_mesh``, on sequence pieces laid out as ``context_parallel_shard`` gives them
+    (``load_balance`` must match). The module's code and parameters are unchanged."""
+
+    overlap = False
+
+    def __init__(self, *, method: str = "ring", load_balance: bool = True) -> None:
+        if method not in METHODS:
+            raise ContextParallelError(
+                f"{type(self).__name__}: method={method!r} is not one of {METHODS}"
+            )
+        self.method, self.load_balance = method, bool(load_balance)
+
+    def validate(self, module: nn.Module, device_mesh: DeviceMesh, path: str) -> None:
+        _check_mesh(device_mesh, f"{type(self).__name__} on {path or type(module).__name__}")
+
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.validate(module, device_mesh, "")
+        inner = module.forward
+        style = self
+
+        def forward(*args, **kwargs):
+            with _SDPAToContextParallel(device_mesh, style):
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(method={self.method!r}, load_balance={self.load_balance})"
+
+
+class AsyncContextParallel(ContextParallel):
+    """``ContextParallel`` whose ring posts the next key/value transfer before the current
+    step's blocks (``overlap=True``): communication and compute run together."""
+
+    overlap = True

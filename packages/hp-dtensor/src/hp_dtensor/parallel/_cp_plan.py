@@ -1,0 +1,95 @@
+"""Context parallelism's layout and block plan, in pure Python.
+
+A sequence of length ``S`` is cut into chunks. Without load balancing there are ``cp`` chunks
+and rank ``r`` holds chunk ``r``. With load balancing there are ``2 * cp`` and rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` (head-tail), in that order: under a causal mask
+every rank then has the same work. A rank's local sequence keeps the global order of its
+tokens, so a causal mask over its own chunks is the ordinary top-left one.
+
+The attention of a rank's queries against the keys of one rank (its own or another's) splits
+into blocks of whole chunks, each either full or causal (or empty):
+:func:`block_calls` gives them as few calls as possible, merged where the chunks are adjacent
+in the local tensors.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "block_calls",
+    "chunk_kind",
+    "local_chunks",
+    "natural_order",
+    "num_chunks",
+    "positions",
+]
+
+
+def num_chunks(cp: int, load_balance: bool) -> int:
+    """How many chunks the sequence is cut into."""
+    return 2 * cp if load_balance else cp
+
+
+def local_chunks(cp: int, rank: int, load_balance: bool) -> tuple[int, ...]:
+    """The global chunk ids rank ``rank`` holds, in its local order."""
+    return (rank, 2 * cp - 1 - rank) if load_balance else (rank,)
+
+
+def positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> list[int]:
+    """The global positions of rank ``rank``'s local tokens, in local order."""
+    c = seq_len // num_chunks(cp, load_balance)
+    return [i for ch in local_chunks(cp, rank, load_balance) for i in range(ch * c, ch * c + c)]
+
+
+def natural_order(cp: int, load_balance: bool) -> list[int]:
+    """For the concatenation of every rank's local chunks (rank 0's first), the chunk index
+    there of each global chunk: ``gathered_chunks[natural_order[g]]`` is global chunk ``g``."""
+    layout = [ch for r in range(cp) for ch in local_chunks(cp, r, load_balance)]
+    return [layout.index(g) for g in range(num_chunks(cp, load_balance))]
+
+
+def chunk_kind(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
+    """How queries of chunk ``q_chunk`` see keys of chunk ``k_chunk``: ``"full"``,
+    ``"causal"`` (the same chunk) or None (all masked)."""
+    if not causal or q_chunk > k_chunk:
+        return "full"
+    return "causal" if q_chunk == k_chunk else None
+
+
+def block_calls(
+    cp: int, rank: int, src: int, causal: bool, load_balance: bool
+) -> list[tuple[tuple[int, int], tuple[int, int], bool]]:
+    """The attention calls for rank ``rank``'s queries against rank ``src``'s keys: a list of
+    ``((q_lo, q_hi), (k_lo, k_hi), is_causal)`` in local chunk indices (half-open), covering
+    every visible (query, key) pair exactly once."""
+    qs = local_chunks(cp, rank, load_balance)
+    ks = local_chunks(cp, src, load_balance)
+    kinds = {
+        (a, b): chunk_kind(qa, kb, causal) for a, qa in enumerate(qs) for b, kb in enumerate(ks)
+    }
+    if all(k == "full" for k in kinds.values()):
+        return [((0, len(qs)), (0, len(ks)), False)]
+    if src == rank:
+        # the own chunks in global order: the causal mask over their concatenation is exact
+        return [((0, len(qs)), (0, len(ks)), True)]
+    calls: list[tuple[tuple[int, int], tuple[int, int], bool]] = []
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for a in range(len(qs)):
+        seen = tuple(b for b in range(len(ks)) if kinds[(a, b)] == "full")
+        if seen:
+            groups.setdefault(seen, []).append(a)
+    for seen, rows in groups.items():
+        for lo, hi in _runs(rows):
+            for klo, khi in _runs(list(seen)):
+                calls.append(((lo, hi), (klo, khi), False))
+    return calls
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as half-open runs of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
