@@ -209,8 +209,9 @@ def _causal_mask(s: torch.Tensor) -> torch.Tensor:
 
 
 def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
-    """``(dq, dk, dv)`` of one block, in the accumulation dtype, from the merged output and
-    log-sum-exp of its queries (the standard recomputation)."""
+    """``(dq, dk, dv)`` of one block (in the kernel's dtype: the callers add them into float32
+    accumulators), from the merged output and log-sum-exp of its queries (the standard
+    recomputation)."""
     kind = _fused_kind(q, v)
     acc = _acc_dtype(q.dtype)
     d, dv_dim = q.shape[-1], v.shape[-1]
@@ -227,7 +228,7 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
             attn_mask=None,
             scale=scale,
         )
-        return dq.to(acc), dk.to(acc), dv[..., :dv_dim].to(acc)
+        return dq, dk, dv[..., :dv_dim]
     if kind in ("cudnn", "flash"):  # the CUDA kernels' backward takes dense slices
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         q, k = q.contiguous(), k.contiguous()
@@ -269,7 +270,7 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
                 offset,
                 scale=scale,
             )
-        return dq.to(acc), dk.to(acc), dv[..., :dv_dim].to(acc)
+        return dq, dk, dv[..., :dv_dim]
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
     if causal:
@@ -283,14 +284,18 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
     return torch.matmul(ds, ka) * scale, torch.matmul(ds.transpose(-1, -2), qa) * scale, dv
 
 
-def _merge(out, lse, lo, hi, o, lb) -> None:
-    """Fold a block's ``(o, lb)`` into the running ``(out, lse)`` of query rows ``lo:hi``."""
+def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
+    """Fold a block's ``(o, lb)`` into the running ``(out, lse)`` of query rows ``lo:hi``
+    (``first``: the rows' first block, copied), in place and in the accumulation dtype."""
     cur_o, cur_l = out[:, :, lo:hi], lse[:, :, lo:hi]
+    if first:
+        cur_o.copy_(o)
+        cur_l.copy_(lb)
+        return
     new = torch.logaddexp(cur_l, lb)
-    out[:, :, lo:hi] = cur_o * torch.exp(cur_l - new).unsqueeze(-1) + o.to(out.dtype) * torch.exp(
-        lb - new
-    ).unsqueeze(-1)
-    lse[:, :, lo:hi] = new
+    cur_o.mul_(torch.exp(cur_l - new).unsqueeze(-1))
+    cur_o.addcmul_(o, torch.exp(lb - new).unsqueeze(-1))
+    cur_l.copy_(new)
 
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -298,10 +303,11 @@ def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _reduce_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of expanded key/value heads summed back per group (in float32 at least)."""
     if groups == 1:
         return t
     b, h, s, d = t.shape
-    return t.view(b, h // groups, groups, s, d).sum(2)
+    return t.view(b, h // groups, groups, s, d).sum(2, dtype=_acc_dtype(t.dtype))
 
 
 # -- communication ------------------------------------------------------------------------------
@@ -394,6 +400,9 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
     aux = {}
     if blocks is None:
         blocks = _ring_blocks(k, v, cfg) if cfg.method == "ring" else _gathered_blocks(k, v, cfg)
+    nq = len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
+    cq = lq // nq
+    touched = [False] * nq  # the local query chunks some block has reached
     for src, kb, vb in blocks:
         for i, ((qlo, qhi), (klo, khi), causal) in enumerate(_calls(cfg, src, lq, kb.shape[2])):
             o, lb, aux[(src, i)] = _block_fwd(
@@ -403,7 +412,10 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
                 causal,
                 cfg.scale,
             )
-            _merge(out, lse, qlo, qhi, o, lb)
+            chunks = range(qlo // cq, qhi // cq)
+            _merge(out, lse, qlo, qhi, o, lb, not any(touched[c] for c in chunks))
+            for c in chunks:
+                touched[c] = True
     return out.to(q.dtype), lse, aux
 
 
