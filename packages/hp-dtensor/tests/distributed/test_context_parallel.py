@@ -5,6 +5,7 @@ transfers overlapped, value heads narrower than the query heads (MLA's shape), b
 error no larger than 1.5x single-device SDPA's, the styles on a module, shard / unshard, and
 the errors, raised before any communication."""
 
+import copy
 import itertools
 
 import pytest
@@ -142,6 +143,29 @@ def test_bf16_error_against_fp64_is_that_of_one_device(pool2, pool4, ranks):
             assert max(r) <= 1.5, (method, r)
 
 
+def _tp_dtensors():
+    """Tensor-parallel heads (DTensors Shard(1) over tp) inside context parallelism (cp), on a
+    2 x 2 mesh: the local heads attend over the whole sequence; gradients too."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp"))
+    tp, cpm = mesh["tp"], mesh["cp"]
+    q, k, v, dout = _inputs(8 * 2, 2, torch.float64, seed=4)
+    expected = _reference(q, k, v, dout, True)
+    pieces = [context_parallel_shard(t, cpm, 2) for t in (q, k, v, dout)]
+    qd, kd, vd = (hp.distribute_tensor(t, tp, [hp.Shard(1)]).requires_grad_() for t in pieces[:3])
+    out = context_parallel_attention(qd, kd, vd, cpm, enable_gqa=True)
+    out.backward(hp.distribute_tensor(pieces[3], tp, [hp.Shard(1)]))
+    got = [
+        context_parallel_unshard(t.full_tensor(), cpm, 2)
+        for t in (out.detach(), qd.grad, kd.grad, vd.grad)
+    ]
+    return isinstance(out, hp.DTensor) and out.placements == (hp.Shard(1),), _worst(got, expected)
+
+
+def test_tensor_parallel_heads_inside_context_parallel(pool4):
+    for is_dtensor, err in pool4.run(_tp_dtensors):
+        assert is_dtensor and err < 1e-9
+
+
 class _Attention(nn.Module):
     """A torchtitan-style attention: projections, then SDPA (no parallelism in it)."""
 
@@ -183,6 +207,31 @@ def _styles():
             ok &= torch.allclose(g, rp.grad, rtol=1e-9, atol=1e-12)
         yf = context_parallel_unshard(y.detach(), mesh, 1, load_balance=style.load_balance)
         out[repr(style)] = ok and torch.allclose(yf, ref(x), rtol=1e-9, atol=1e-12)
+    # head counts that do not divide by cp are fine for the ring (no tensor-parallel check)
+    odd = _Attention().double()
+    odd.n_heads, odd.n_kv_heads = 3, 1
+    parallelize_module(odd, mesh, ContextParallel())
+    out["odd_heads_accepted"] = True
+    # a deep copy computes with its own parameters; applying twice is refused
+    model = _Attention().double()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh, ContextParallel())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    xl = context_parallel_shard(x, mesh, 1)
+    out["deepcopy_own_params"] = not torch.allclose(twin(xl), model(xl))
+    try:
+        parallelize_module(model, mesh, ContextParallel())
+        out["twice_refused"] = False
+    except ContextParallelError as e:
+        out["twice_refused"] = "context-parallel already" in str(e)
+    # a context-parallel module inside another: the inner SDPA runs once as CP, not twice
+    outer = nn.Sequential(model)
+    parallelize_module(outer, mesh, ContextParallel(method="ulysses"))
+    yo = context_parallel_unshard(outer(xl).detach(), mesh, 1)
+    out["nested"] = torch.allclose(yo, ref(x), rtol=1e-9, atol=1e-12)
     # the mode is scoped to the module: SDPA outside it is the ordinary one
     q = torch.randn(1, 1, 4, 4)
     out["outside"] = torch.allclose(
@@ -216,6 +265,15 @@ def _shard_and_errors():
         own[0, plan.positions(8, 2, rank, lb)] = 1.0
         r[f"grad_{lb}"] = torch.equal(x.grad, own)
         x.grad = None
+    # inputs whose last dim is not dense (the fused kernels need it dense)
+    g = torch.Generator().manual_seed(5)
+    qf, kf, vf = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+    ql, kl, vl = (context_parallel_shard(t, mesh, 2) for t in (qf, kf, vf))
+    odd = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (ql, kl, vl)]
+    assert odd[0].stride(-1) != 1
+    got = context_parallel_unshard(context_parallel_attention(*odd, mesh), mesh, 2)
+    r["strided_inputs"] = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
     q = torch.randn(1, 4, 3, 8)
     errors = {
         "seq": lambda: context_parallel_attention(q, q, q, mesh),  # 6 not divisible by 4
@@ -235,6 +293,22 @@ def _shard_and_errors():
             q, q, q, hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
         ),
         "style_method": lambda: ContextParallel(method="tree"),
+        "overlap_method": lambda: context_parallel_attention(
+            torch.randn(1, 4, 4, 8),
+            torch.randn(1, 4, 4, 8),
+            torch.randn(1, 4, 4, 8),
+            mesh,
+            method="allgather",
+            overlap=True,
+        ),
+        "async_method": lambda: AsyncContextParallel(method="ulysses"),
+        "seq_dim": lambda: context_parallel_shard(torch.randn(2, 8), mesh, 2),
+        "dtensor_mixed": lambda: context_parallel_attention(
+            hp.distribute_tensor(torch.randn(1, 4, 4, 8), mesh, [hp.Shard(1)]),
+            torch.randn(1, 2, 4, 8),
+            torch.randn(1, 2, 4, 8),
+            mesh,
+        ),
     }
     messages = {}
     for name, fn in errors.items():
@@ -258,3 +332,7 @@ def test_shard_unshard_and_errors(pool2):
         assert "need enable_gqa=True" in msgs["gqa"]
         assert "needs a 1-D mesh" in msgs["mesh_rank"] and "mesh['cp']" in msgs["mesh_rank"]
         assert "method='tree'" in msgs["style_method"]
+        assert "overlap=True overlaps the ring's transfers" in msgs["overlap_method"]
+        assert "AsyncContextParallel overlaps the ring" in msgs["async_method"]
+        assert "seq_dim=2 is out of range for a 2-D tensor" in msgs["seq_dim"]
+        assert "DTensor inputs must be q, k and v alike" in msgs["dtensor_mixed"]

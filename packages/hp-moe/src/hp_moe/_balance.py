@@ -156,9 +156,13 @@ def aux_loss(
             # each of the ``size`` ranks holding a part of them contributes its tokens' share
             f = counts * (e / (k * full_len)) * size / (batch * full_len)
         return _WeightedSum.apply(p.view(batch, seq, e).sum(1), f)
-    if kind == "batch":
+    if kind == "batch":  # this forward's tokens: under context parallelism, the whole
+        # sequences' (their parts summed over the sequence group, as for "sequence")
         with torch.no_grad():
-            f = hits.sum(0) * (e / (k * p.shape[0])) / p.shape[0]
+            local = torch.cat([hits.sum(0), torch.full((1,), float(p.shape[0]), device=p.device)])
+            summed, size = _reduce(local, moe.sequence_group, record)
+            counts, full = summed[:-1], summed[-1]
+            f = counts * (e / (k * full)) * size / full
         return _WeightedSum.apply(p.sum(0), f)
     # global: counts over the balance group, accumulated over the step's microbatches
     with torch.no_grad():

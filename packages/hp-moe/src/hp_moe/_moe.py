@@ -48,7 +48,8 @@ class MoE(nn.Module):
     - ``aux_loss_coeff`` > 0: a balance loss ``sum_i f_i P_i`` (``f_i``: the share of routed
       copies that chose expert ``i``, times ``E``; ``P_i``: the mean probability of ``i``)
       attached to the output with ``MoEAuxLossAutoScaler``. ``aux_loss_type``: ``"sequence"``
-      (per sequence, averaged; DeepSeek-V3's), ``"batch"`` (this forward's tokens) or
+      (per sequence, averaged; DeepSeek-V3's), ``"batch"`` (this forward's tokens; both over
+      the whole sequences under context parallelism, see ``set_load_balance_group``) or
       ``"global"`` (``f`` from the counts of every rank of the load-balance group and of every
       microbatch of the step so far; see ``set_load_balance_group``), whose value and gradient
       averaged over that group do not depend on how the batch is split over its ranks. With

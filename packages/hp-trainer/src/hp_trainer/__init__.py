@@ -3,7 +3,7 @@
 
 from . import models
 from ._parallel_dims import ParallelDims
-from ._parallelize import ParallelizeConfig, dp_mesh, parallelize_llama
+from ._parallelize import ParallelizeConfig, apply_context_parallel, dp_mesh, parallelize_llama
 from ._pipeline import StageSet, pipeline_llama
 from ._trainer import Callback, LLMTrainer, preflight
 from .callbacks import LoggingCallback, MoeMonitorCallback
@@ -25,6 +25,7 @@ __all__ = [
     "dp_mesh",
     "load_config",
     "models",
+    "apply_context_parallel",
     "parallelize_llama",
     "pipeline_llama",
     "preflight",

@@ -115,6 +115,7 @@ class ParallelDims:
         seq_len: int | None = None,
         stages_per_rank: int = 1,
         mtp_layers: int = 0,
+        cp_load_balance: bool = True,
     ) -> None:
         """Raise one :class:`ConfigError` listing every way the model, batch or sequence does not
         fit these degrees."""
@@ -167,9 +168,20 @@ class ParallelDims:
                 f"training.global_batch_size={global_batch_size} is not divisible by the data "
                 f"parallel degree {self.dp}"
             )
-        if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
+        chunks = (2 if cp_load_balance else 1) * self.cp
+        if seq_len is not None and self.cp > 1 and seq_len % chunks:
+            how = f"2 x {KEYS['cp']}" if cp_load_balance else KEYS["cp"]
+            problems.append(f"training.seq_len={seq_len} must be divisible by {how} = {chunks}")
+        if mtp_layers and self.cp > 1:
             problems.append(
-                f"training.seq_len={seq_len} must be divisible by 2 x {KEYS['cp']} = {2 * self.cp}"
+                f"{KEYS['cp']}={self.cp}: multi-token prediction shifts whole sequences, which "
+                "context parallelism splits (not supported yet): set it to 1, or "
+                "model.mtp_layers = 0"
+            )
+        if linear_heads is not None and self.cp > 1:
+            problems.append(
+                f"{KEYS['cp']}={self.cp}: the model's Gated DeltaNet (linear attention) layers "
+                "have no context parallelism yet: set it to 1, or use a full-attention model"
             )
         if problems:
             raise ConfigError("\n".join(problems))

@@ -16,6 +16,7 @@ from ._parallel_dims import ParallelDims
 __all__ = [
     "ParallelizeConfig",
     "apply_activation_checkpoint",
+    "apply_context_parallel",
     "dp_mesh",
     "head_local",
     "parallelize_llama",
@@ -27,13 +28,20 @@ class ParallelizeConfig:
     """How to parallelize: ``sequence_parallel`` shards norms' activations along the sequence
     between TP regions (less activation memory, same math); ``param_dtype``/``reduce_dtype`` are
     FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard`` for the blocks (the
-    root keeps its parameters after forward unless it is False)."""
+    root keeps its parameters after forward unless it is False); ``cp_*`` and ``seq_len`` for
+    context parallelism."""
 
     sequence_parallel: bool = True
     activation_checkpoint: str = "none"  # "none", "full" or "selective" (per block)
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
+    #: context parallelism over ``cp``: the attention method, head-tail load balancing, and the
+    #: length of the training sequences (the rotary tables are sharded to it; None: the
+    #: model's max_seq_len)
+    cp_method: str = "ring"
+    cp_load_balance: bool = True
+    seq_len: int | None = None
 
 
 def dp_mesh(mesh, parallel_dims: ParallelDims):
@@ -180,6 +188,31 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def apply_context_parallel(
+    model: nn.Module, cp_mesh, *, seq_len: int, method: str = "ring", load_balance: bool = True
+) -> None:
+    """Context parallelism over ``cp_mesh``: each block's attention runs its
+    ``scaled_dot_product_attention`` as ``hp_dtensor.parallel.context_parallel_attention``
+    (``ContextParallel``), and the rotary tables become this rank's positions of a
+    ``seq_len``-long sequence, laid out as ``context_parallel_shard`` lays out the tokens (the
+    model code, which reads the first ``s`` rows of its tables, is unchanged). Inputs and
+    targets must then be ``context_parallel_shard``-ed along the sequence too."""
+    from hp_dtensor.parallel import ContextParallel, context_parallel_shard, parallelize_module
+
+    from .models import Transformer
+
+    style = ContextParallel(method=method, load_balance=load_balance)
+    for block in _blocks(model):
+        parallelize_module(block.attention, cp_mesh, style)
+    for m in model.modules():
+        if isinstance(m, Transformer):
+            for name in ("rope_cos", "rope_sin"):
+                table = getattr(m, name)[:, :seq_len]
+                setattr(
+                    m, name, context_parallel_shard(table, cp_mesh, 1, load_balance=load_balance)
+                )
+
+
 def _expert_parallel(model: nn.Module, parallel_dims: ParallelDims, mesh, expert_mesh) -> list:
     """Experts over ``ep`` (``ExpertParallel``), their hidden width over ``tp`` when ``etp > 1``
     (``ExpertTensorParallel`` / ``TensorParallel``). Returns the MoE layers."""
@@ -291,7 +324,7 @@ def parallelize_llama(
 
     1. tensor parallelism over ``tp`` (attention heads and the feed-forward width split;
        with ``sequence_parallel`` the norms run on sequence shards; a MoE takes the whole
-       sequence);
+       sequence); then context parallelism over ``cp`` (``apply_context_parallel``);
     2. expert parallelism: experts over ``ep`` of the ``dp_shard`` ranks, their hidden width
        over ``tp`` when ``etp > 1``;
     3. activation checkpointing per block (``config.activation_checkpoint``);
@@ -335,6 +368,14 @@ def parallelize_llama(
     if pd.tp > 1:
         _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree
+    if pd.cp > 1:
+        apply_context_parallel(
+            model,
+            mesh["cp"],
+            seq_len=config.seq_len or cfg.max_seq_len,
+            method=config.cp_method,
+            load_balance=config.cp_load_balance,
+        )
     moes = _expert_parallel(model, pd, mesh, expert_mesh) if cfg.moe is not None else []
     if config.activation_checkpoint != "none":
         apply_activation_checkpoint(model, config.activation_checkpoint)

@@ -125,6 +125,7 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         seq_len=t.seq_len,
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
         mtp_layers=mc.mtp_layers,
+        cp_load_balance=p.context_parallel_load_balance,
     )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
@@ -186,12 +187,6 @@ class LLMTrainer:
         )
         self.parallel_dims, self.model_config = preflight(cfg, world)
         pd, mc = self.parallel_dims, self.model_config
-        unsupported = [k for k, v in (("context_parallel_degree", pd.cp),) if v > 1]
-        if unsupported:
-            raise ConfigError(
-                f"parallelism.{unsupported[0]} > 1 is not supported by LLMTrainer yet; use "
-                "hp_pipeline / the parallelize functions directly"
-            )
         per_rank = t.global_batch_size // pd.dp
         local = t.local_batch_size or per_rank
         if per_rank % local:
@@ -251,6 +246,9 @@ class LLMTrainer:
             if t.mixed_precision_param == "float32"
             else _DTYPES[t.mixed_precision_param],
             reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+            cp_method=p.context_parallel_method,
+            cp_load_balance=p.context_parallel_load_balance,
+            seq_len=t.seq_len,
         )
         self.schedule = None
         if pd.pp > 1:
@@ -329,9 +327,14 @@ class LLMTrainer:
         gradients scaled as the main loss is (divided over the microbatches)."""
         import hp_moe
 
-        if self.mesh is not None and self.parallel_dims.dp > 1:
-            present = [n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names]
-            sub = self.mesh["dp"] if len(present) == 2 else self.mesh[present[0]]
+        pd = self.parallel_dims
+        if self.mesh is not None and pd.dp * pd.cp > 1:  # the ranks that see different tokens
+            names = self.mesh.mesh_dim_names
+            present = [n for n in ("dp_replicate", "dp_shard", "cp") if n in names]
+            if len(present) == 1:
+                sub = self.mesh[present[0]]
+            else:
+                sub = self.mesh["dp_cp" if "cp" in present else "dp"]
             self.moe_group = sub.get_group()
         n = self.pipeline_microbatches if self.schedule is not None else self.micro_batches
         # a pipeline stage of dense blocks only (DeepSeek's first ones) has no MoE to balance;
@@ -339,6 +342,10 @@ class LLMTrainer:
         if any(isinstance(m, hp_moe.MoE) for m in self.model.modules()):
             hp_moe.register_expert_bias_update(self.optimizer, self.model, group=self.moe_group)
             hp_moe.set_aux_loss_scale(self.model, 1.0 / n)
+            if pd.cp > 1:  # the context-parallel ranks hold parts of the same sequences
+                hp_moe.set_load_balance_group(
+                    self.model, self.moe_group, sequence_group=self.mesh["cp"].get_group()
+                )
 
     def moe_statistics(self) -> list[dict]:
         """Every MoE layer's statistics of the step so far (``hp_moe.moe_statistics``; the
@@ -443,7 +450,7 @@ class LLMTrainer:
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:  # one pipelined step over the rank's batch
             ((x, y),) = self.data.local_batches(step, self.dp_rank, self.parallel_dims.dp, 1)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self._local(x), self._local(y)
             losses: list = []
             args = (x,) if self.has_first else ()
             kw = {"target": y, "losses": losses} if self.has_last else {}
@@ -454,7 +461,7 @@ class LLMTrainer:
             for x, y in self.data.local_batches(
                 step, self.dp_rank, self.parallel_dims.dp, self.micro_batches
             ):
-                x, y = x.to(self.device), y.to(self.device)
+                x, y = self._local(x), self._local(y)
                 loss = _loss(self.model(x), y) / self.micro_batches
                 loss.backward()
                 total += loss.detach()
@@ -487,6 +494,18 @@ class LLMTrainer:
         if mtp is not None:
             out["mtp_loss"] = mtp
         return out
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch of token ids on this rank's device and, under context parallelism, this
+        rank's part of each sequence (its losses are then over those tokens: the mean over the
+        context- and data-parallel ranks is the whole batch's, every rank holding as many)."""
+        t = t.to(self.device)
+        if self.parallel_dims.cp > 1:
+            from hp_dtensor.parallel import context_parallel_shard
+
+            lb = self.config.parallelism.context_parallel_load_balance
+            t = context_parallel_shard(t, self.mesh["cp"], 1, load_balance=lb)
+        return t
 
     def _mtp_loss(self) -> float:
         """The step's multi-token prediction loss (weighted, mean over its microbatches and

@@ -69,6 +69,8 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     pipeline_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    context_parallel_method: str = "ring"  # "ring", "allgather" or "ulysses"
+    context_parallel_load_balance: bool = True  # head-tail chunks: even causal work
     expert_parallel_degree: int = 1
     expert_tensor_parallel_degree: int = 1
     sequence_parallel: bool = True
@@ -258,6 +260,13 @@ def _check(cfg: JobConfig) -> None:
             f"parallelism.pipeline_schedule={cfg.parallelism.pipeline_schedule!r}"
             f"{_suggest(cfg.parallelism.pipeline_schedule, schedules)}: use one of "
             f"{list(schedules)}"
+        )
+    cp_methods = ("ring", "allgather", "ulysses")
+    if cfg.parallelism.context_parallel_method not in cp_methods:
+        problems.append(
+            f"parallelism.context_parallel_method={cfg.parallelism.context_parallel_method!r}"
+            f"{_suggest(cfg.parallelism.context_parallel_method, cp_methods)}: use one of "
+            f"{list(cp_methods)}"
         )
     if cfg.parallelism.collectives not in ("torch", "hp_kernels"):
         problems.append(

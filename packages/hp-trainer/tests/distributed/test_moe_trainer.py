@@ -210,3 +210,54 @@ def test_pipeline_stage_without_moe_layers(tmp_path):
         torch.testing.assert_close(losses, ref[0], rtol=1e-4, atol=0)
         assert [s["layer"] for s in stats] == ["layers.1", "layers.2"]
         assert [s["tokens"] for s in stats] == [s["tokens"] for s in ref[2]]
+
+
+def _cp_moe(dump, aux_type, extra):
+    cfg = load_config(
+        None,
+        [
+            *FAST,
+            "--job.dump_folder",
+            dump,
+            "--training.steps",
+            "8",
+            "--checkpoint.enable",
+            "false",
+            "--model.name",
+            "qwen3-moe-tiny",
+            "--moe.load_balance_coeff",
+            "0.001",
+            "--moe.aux_loss_coeff",
+            "0.01",
+            "--moe.aux_loss_type",
+            aux_type,
+            *extra,
+        ],
+    )
+    return LLMTrainer(cfg).train()
+
+
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree"]
+
+
+@pytest.mark.parametrize("aux_type", ["sequence", "global", "batch"])
+def test_moe_under_context_parallelism(pool, tmp_path, aux_type):
+    """Qwen3-MoE with CP 2 x FSDP 2: the expert bias's counts and the balance loss see the
+    whole sequences (summed over the context-parallel ranks). "sequence" and "global" equal
+    one process; "batch" (per forward) equals the same data-parallel layout without CP."""
+    if aux_type == "batch":
+        ref = pool.run(
+            _cp_moe,
+            str(tmp_path / "fsdp"),
+            aux_type,
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+        )[0]
+    else:
+        ref = _cp_moe(str(tmp_path / "one"), aux_type, ONE)
+    for got in pool.run(_cp_moe, str(tmp_path / "cp"), aux_type, [*CP2, "2"]):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)

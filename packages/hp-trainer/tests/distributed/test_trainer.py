@@ -1,5 +1,6 @@
 """LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x FSDP 2 (1F1B, activation
-checkpointing) and PP 2 x TP 2 (GPipe) give the one-process losses (within 1e-4) with
+checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2 ring, CP 2 x TP 2
+all-gather, CP 4 Ulysses, PP 2 x CP 2) give the one-process losses (within 1e-4) with
 accumulation, clipping and the LR schedule in the loop; a run killed after a checkpoint
 resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
 
@@ -56,6 +57,19 @@ PAR = {
     "pp2xtp2-gpipe": "--parallelism.pipeline_parallel_degree 2 "
     "--parallelism.tensor_parallel_degree 2 --parallelism.pipeline_schedule gpipe "
     "--parallelism.pipeline_microbatches 4 --training.local_batch_size 0",
+    # context parallelism: ring under FSDP over dp_shard x cp, all-gather under TP, Ulysses
+    # over 4 ranks (2 key/value heads replicated to 4), and under a pipeline
+    "cp2xfsdp2-ring": "--parallelism.context_parallel_degree 2 "
+    "--parallelism.data_parallel_shard_degree 2",
+    "cp2xtp2-allgather": "--parallelism.context_parallel_degree 2 "
+    "--parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 "
+    "--parallelism.context_parallel_method allgather",
+    "cp4-ulysses-no-lb": "--parallelism.context_parallel_degree 4 "
+    "--parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_method ulysses "
+    "--parallelism.context_parallel_load_balance false",
+    "pp2xcp2": "--parallelism.pipeline_parallel_degree 2 "
+    "--parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 "
+    "--parallelism.pipeline_microbatches 2 --training.local_batch_size 0",
 }
 PAR = {k: v.split() for k, v in PAR.items()}
 

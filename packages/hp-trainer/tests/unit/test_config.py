@@ -189,3 +189,28 @@ def test_moe_section_and_its_checks(tmp_path):
             ),
             3,
         )
+
+
+def test_shipped_configs_pass_preflight():
+    """Every shipped config loads and fits 4 ranks (what hp-train checks before launching)."""
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+    assert len(configs) >= 8
+    for path in configs:
+        dims, _ = preflight(load_config(path), 4)
+        assert dims.world_size == 4, path.name
+
+
+def test_context_parallel_checks():
+    cp = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree"]
+    with pytest.raises(ConfigError, match="context_parallel_method='tree'"):
+        load_config(None, ["--parallelism.context_parallel_method", "tree"])
+    with pytest.raises(ConfigError, match=r"training.seq_len=30 must be divisible by 2 x"):
+        preflight(load_config(None, [*cp, "2", "--training.seq_len", "30"]), 4)
+    no_lb = ["--parallelism.context_parallel_load_balance", "false", "--training.seq_len", "30"]
+    preflight(load_config(None, [*cp, "2", *no_lb]), 4)  # 30 splits over cp 2 without it
+    with pytest.raises(ConfigError, match="Gated DeltaNet .* no context parallelism"):
+        preflight(load_config(None, [*cp, "2", "--model.name", "qwen3.5-tiny"]), 4)
+    with pytest.raises(ConfigError, match="context_parallel_degree=2: multi-token prediction"):
+        preflight(load_config(None, [*cp, "2", "--model.name", "deepseek-v3-tiny"]), 4)

@@ -38,7 +38,8 @@ def parallelize_module(
     """
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.validate(module, device_mesh, "")
-        _check_heads(module, "", device_mesh)
+        if parallelize_plan.splits_heads:
+            _check_heads(module, "", device_mesh)
         return parallelize_plan.apply(module, device_mesh)
     if not isinstance(parallelize_plan, dict):
         raise TypeError(
@@ -64,7 +65,8 @@ def parallelize_module(
         todo.extend((n, names[n], style) for n in hits)
     for path, mod, style in todo:  # validate everything first: nothing is sharded on error
         style.validate(mod, device_mesh, path)
-        _check_heads(module, path, device_mesh)
+        if style.splits_heads:
+            _check_heads(module, path, device_mesh)
     for _path, mod, style in todo:
         style.apply(mod, device_mesh)
     return module

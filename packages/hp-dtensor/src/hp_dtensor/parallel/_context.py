@@ -19,15 +19,18 @@ dimension and put it back (see ``_cp_plan`` for the chunk layout; load balancing
   whole sequence for this rank's heads, and back. With fewer key/value heads than ranks, the
   key/value heads are replicated so each rank has the one its query heads use.
 
-``overlap=True`` (``AsyncContextParallel``) posts the next step's key/value transfer before
-this step's blocks, so they run together. ``ContextParallel`` / ``AsyncContextParallel`` apply
+``overlap=True`` (``AsyncContextParallel``; ring only) posts the next step's key/value transfer
+before this step's blocks, so they run together (the key/value gradients' transfer in backward
+is not overlapped). ``ContextParallel`` / ``AsyncContextParallel`` apply
 it to an attention module through ``parallelize_module``: inside the module's forward, calls
 to ``torch.nn.functional.scaled_dot_product_attention`` become context-parallel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +81,15 @@ def _check_length(length: int, cp: int, load_balance: bool, what: str) -> None:
         )
 
 
+def _seq_dim(seq_dim: int, x: torch.Tensor, fn: str) -> int:
+    if not -x.ndim <= seq_dim < x.ndim:
+        raise ContextParallelError(
+            f"{fn}: seq_dim={seq_dim} is out of range for a {x.ndim}-D tensor: give the "
+            "sequence dimension"
+        )
+    return seq_dim % x.ndim
+
+
 # -- shard / unshard ----------------------------------------------------------------------------
 def context_parallel_shard(
     x: torch.Tensor, mesh: DeviceMesh, seq_dim: int, *, load_balance: bool = True
@@ -87,7 +99,7 @@ def context_parallel_shard(
     Differentiable."""
     _check_mesh(mesh, "context_parallel_shard")
     cp, rank = mesh.size(), mesh.get_local_rank()
-    dim = seq_dim % x.ndim
+    dim = _seq_dim(seq_dim, x, "context_parallel_shard")
     _check_length(x.shape[dim], cp, load_balance, f"context_parallel_shard(seq_dim={seq_dim})")
     c = x.shape[dim] // plan.num_chunks(cp, load_balance)
     parts = [x.narrow(dim, ch * c, c) for ch in plan.local_chunks(cp, rank, load_balance)]
@@ -137,7 +149,7 @@ def context_parallel_unshard(
     Differentiable: the result is a replicated value (the same on every rank), so the gradient
     reaching this rank's part is this rank's chunks of the incoming gradient."""
     _check_mesh(mesh, "context_parallel_unshard")
-    dim = seq_dim % x_local.ndim
+    dim = _seq_dim(seq_dim, x_local, "context_parallel_unshard")
     n = len(plan.local_chunks(mesh.size(), mesh.get_local_rank(), load_balance))
     if x_local.shape[dim] % n:
         raise ContextParallelError(
@@ -153,18 +165,23 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _fused_kind(q: torch.Tensor, v: torch.Tensor) -> str:
-    """Which fused kernel serves a block: the CPU flash kernel; on CUDA for half types cuDNN's
-    attention (what SDPA picks on Hopper; head dims up to 128, multiples of 8) or else flash;
-    the math fallback for anything else (value heads wider than query heads too)."""
+    """Which fused kernel serves a block: the CPU flash kernel; on CUDA (sm80+) for half types
+    cuDNN's attention (what SDPA picks on Hopper; head dims up to 128, multiples of 8) or else
+    flash (up to 256), as far as ``torch.backends.cuda`` enables them; the math fallback for
+    anything else (float32 on CUDA, value heads wider than query heads), which holds each
+    block's scores whole in float32."""
     if v.shape[-1] > q.shape[-1]:
         return "math"
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         d = q.shape[-1]
-        if torch.backends.cuda.cudnn_sdp_enabled() and d % 8 == 0 and d <= 128:
+        if d % 8 or torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "math"
+        if torch.backends.cuda.cudnn_sdp_enabled() and d <= 128:
             return "cudnn"
-        return "flash"
+        if torch.backends.cuda.flash_sdp_enabled() and d <= 256:
+            return "flash"
     return "math"
 
 
@@ -570,11 +587,26 @@ def context_parallel_attention(
     """
     from .._dtensor import DTensor
 
-    if isinstance(q, DTensor):  # tensor-parallel heads: rewrap this rank's pieces
+    if any(isinstance(t, DTensor) for t in (q, k, v)):  # tensor-parallel heads: local pieces
+        from .._placement import Replicate, Shard
+
+        ok = all(isinstance(t, DTensor) for t in (q, k, v)) and (
+            q.placements == k.placements == v.placements
+        )
+        ok = ok and all(p == Shard(1) or isinstance(p, Replicate) for p in q.placements)
+        if not ok:
+            raise ContextParallelError(
+                "context_parallel_attention: DTensor inputs must be q, k and v alike, split by "
+                "heads (Shard(1)) or replicated on every mesh dimension; got "
+                + ", ".join(
+                    str(t.placements) if isinstance(t, DTensor) else "a plain tensor"
+                    for t in (q, k, v)
+                )
+            )
         out = context_parallel_attention(
             q.to_local(),
-            k.to_local() if isinstance(k, DTensor) else k,
-            v.to_local() if isinstance(v, DTensor) else v,
+            k.to_local(),
+            v.to_local(),
             mesh,
             is_causal=is_causal,
             method=method,
@@ -586,6 +618,11 @@ def context_parallel_attention(
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
     fn = "context_parallel_attention"
     _check_mesh(mesh, fn)
+    if overlap and method != "ring":
+        raise ContextParallelError(
+            f"{fn}: overlap=True overlaps the ring's transfers; method={method!r} has none to "
+            "overlap: use method='ring' or overlap=False"
+        )
     if method not in METHODS:
         raise ContextParallelError(f"{fn}: method={method!r} is not one of {METHODS}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -623,6 +660,8 @@ def context_parallel_attention(
                 f"{fn}: method='ulysses' needs the {hkv} key/value heads to divide by cp = {cp} "
                 "or cp to divide by them (then they are replicated): use method='ring'"
             )
+    # the fused kernels read the last dim densely (SDPA copies such inputs too)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cfg = _Config(
         mesh=mesh,
         cp=cp,
@@ -634,16 +673,34 @@ def context_parallel_attention(
         method=method,
         overlap=bool(overlap),
     )
-    if cp == 1:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, scale=cfg.scale, enable_gqa=hkv != h
-        )
-    if method == "ulysses":
-        return _ulysses(q, k, v, cfg)
-    return _BlockAttention.apply(q, k, v, cfg)
+    with _inside():  # SDPA calls made here are local ones, whatever modes are active
+        if cp == 1:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=is_causal, scale=cfg.scale, enable_gqa=hkv != h
+            )
+        if method == "ulysses":
+            return _ulysses(q, k, v, cfg)
+        return _BlockAttention.apply(q, k, v, cfg)
+
+
+_STATE = threading.local()  # per thread: inside context_parallel_attention (no model state)
+
+
+@contextlib.contextmanager
+def _inside():
+    depth = getattr(_STATE, "depth", 0)
+    _STATE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _STATE.depth = depth
 
 
 # -- styles ---------------------------------------------------------------------------------------
+# the C function itself: F.scaled_dot_product_attention may be rebound by other code
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
 class _SDPAToContextParallel(TorchFunctionMode):
     """Inside an attention module's forward: ``scaled_dot_product_attention`` calls become
     ``context_parallel_attention`` over ``mesh``."""
@@ -654,7 +711,7 @@ class _SDPAToContextParallel(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not _SDPA or getattr(_STATE, "depth", 0):
             return func(*args, **kwargs)
         names = (
             "query",
@@ -692,13 +749,40 @@ class _SDPAToContextParallel(TorchFunctionMode):
         )
 
 
+class _Binding:
+    """A module's context-parallel mesh and style: configuration, shared (not copied) by a
+    deep copy of the module."""
+
+    def __init__(self, mesh: DeviceMesh, style: ContextParallel) -> None:
+        self.mesh, self.style = mesh, style
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _enter_mode(module, args) -> None:
+    binding = module._hp_context_parallel
+    mode = _SDPAToContextParallel(binding.mesh, binding.style)
+    mode.__enter__()
+    module.__dict__.setdefault("_hp_cp_modes", []).append(mode)
+
+
+def _exit_mode(module, args, output) -> None:
+    module.__dict__["_hp_cp_modes"].pop().__exit__(None, None, None)
+
+
 class ContextParallel(ParallelStyle):
     """For ``parallelize_module(attention, cp_mesh, ContextParallel(...))``: the module's
     ``scaled_dot_product_attention`` calls run as ``context_parallel_attention`` over the
     ranks of ``cp_mesh``, on sequence pieces laid out as ``context_parallel_shard`` gives them
-    (``load_balance`` must match). The module's code and parameters are unchanged."""
+    (``load_balance`` must match). The module's code and parameters are unchanged (through
+    forward hooks); position-dependent buffers (RoPE tables, position ids) must be sharded the
+    same way by the caller. Attention masks and dropout are refused. A
+    ``torch.utils.checkpoint`` *inside* the module recomputes without this style (checkpoint the
+    module or its parent instead)."""
 
     overlap = False
+    splits_heads = False  # ring and all-gather need no divisibility; Ulysses checks its own
 
     def __init__(self, *, method: str = "ring", load_balance: bool = True) -> None:
         if method not in METHODS:
@@ -712,14 +796,13 @@ class ContextParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.validate(module, device_mesh, "")
-        inner = module.forward
-        style = self
-
-        def forward(*args, **kwargs):
-            with _SDPAToContextParallel(device_mesh, style):
-                return inner(*args, **kwargs)
-
-        module.forward = forward
+        if getattr(module, "_hp_context_parallel", None) is not None:
+            raise ContextParallelError(
+                f"{type(self).__name__}: {type(module).__name__} is context-parallel already"
+            )
+        module._hp_context_parallel = _Binding(device_mesh, self)
+        module.register_forward_pre_hook(_enter_mode)
+        module.register_forward_hook(_exit_mode, always_call=True)
         return module
 
     def __repr__(self) -> str:
@@ -728,6 +811,15 @@ class ContextParallel(ParallelStyle):
 
 class AsyncContextParallel(ContextParallel):
     """``ContextParallel`` whose ring posts the next key/value transfer before the current
-    step's blocks (``overlap=True``): communication and compute run together."""
+    step's blocks (``overlap=True``), in forward and backward (the gradients' transfer back is
+    not overlapped). Ring only."""
 
     overlap = True
+
+    def __init__(self, *, method: str = "ring", load_balance: bool = True) -> None:
+        if method != "ring":
+            raise ContextParallelError(
+                f"AsyncContextParallel overlaps the ring's transfers: method={method!r} has "
+                "none to overlap; use ContextParallel for it"
+            )
+        super().__init__(method=method, load_balance=load_balance)

@@ -32,6 +32,10 @@ __all__ = [
 class ParallelStyle:
     """Base class of the styles. ``apply(module, device_mesh)`` shards ``module`` in place."""
 
+    #: whether the style splits attention heads over the mesh (then ``parallelize_module``
+    #: checks that the head counts on the module's path divide by the mesh size)
+    splits_heads = True
+
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
 
