@@ -178,11 +178,7 @@ class ParallelDims:
                 "context parallelism splits (not supported yet): set it to 1, or "
                 "model.mtp_layers = 0"
             )
-        if linear_heads is not None and self.cp > 1:
-            problems.append(
-                f"{KEYS['cp']}={self.cp}: the model's Gated DeltaNet (linear attention) layers "
-                "have no context parallelism yet: set it to 1, or use a full-attention model"
-            )
+
         if problems:
             raise ConfigError("\n".join(problems))
 

@@ -4,6 +4,7 @@ structure)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -193,7 +194,9 @@ def apply_context_parallel(
 ) -> None:
     """Context parallelism over ``cp_mesh``: each block's attention runs its
     ``scaled_dot_product_attention`` as ``hp_dtensor.parallel.context_parallel_attention``
-    (``ContextParallel``), and the rotary tables become this rank's positions of a
+    (``ContextParallel``); Qwen3.5's Gated DeltaNet blocks get convolution halos from the
+    previous chunk's rank and the delta rule's state passed between ranks
+    (``_cp_delta_rule``); and the rotary tables become this rank's positions of a
     ``seq_len``-long sequence, laid out as ``context_parallel_shard`` lays out the tokens (the
     model code, which reads the first ``s`` rows of its tables, is unchanged). Inputs and
     targets must then be ``context_parallel_shard``-ed along the sequence too."""
@@ -203,6 +206,14 @@ def apply_context_parallel(
 
     style = ContextParallel(method=method, load_balance=load_balance)
     for block in _blocks(model):
+        gdn = getattr(block, "linear_attention", None)
+        if gdn is not None:  # Qwen3.5's Gated DeltaNet: halos and state passing
+            for conv in (gdn.conv_q, gdn.conv_k, gdn.conv_v):
+                _conv_with_halo(conv, cp_mesh, load_balance)
+            gdn.delta_rule = functools.partial(
+                _cp_delta_rule, mesh=cp_mesh, load_balance=load_balance
+            )
+            continue
         parallelize_module(block.attention, cp_mesh, style)
     for m in model.modules():
         if isinstance(m, Transformer):
@@ -211,6 +222,95 @@ def apply_context_parallel(
                 setattr(
                     m, name, context_parallel_shard(table, cp_mesh, 1, load_balance=load_balance)
                 )
+
+
+def _gather_pieces(t: torch.Tensor, mesh) -> torch.Tensor:
+    """Every rank's ``t`` stacked (``[cp, *t.shape]``), differentiably: each rank uses the
+    others' pieces its own way, so a piece's gradient is the sum of the ranks' (the gather's
+    adjoint reduce-scatters it)."""
+    d = hp.DTensor.from_local(t.unsqueeze(0), mesh, [hp.Shard(0)], run_check=False)
+    return d.redistribute(mesh, [hp.Replicate()]).to_local(grad_placements=[hp.Partial()])
+
+
+def _with_grad_of(out: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
+    """``out``, made to depend (with zero weight) on ``gathered``: a rank whose result does not
+    use the others' pieces (the first chunk's rank) still takes part in their gradient's
+    reduce-scatter, which every rank of the mesh must call."""
+    for t in gathered:
+        out = out + 0.0 * t.sum()
+    return out
+
+
+def _segments(seq: int, mesh, load_balance: bool) -> tuple[tuple[int, ...], int, list[int]]:
+    """This rank's global chunk ids, their local length, and for each global chunk its index
+    among every rank's local chunks stacked (rank 0's first)."""
+    from hp_dtensor.parallel import _cp_plan as plan
+
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    ids = plan.local_chunks(cp, rank, load_balance)
+    return ids, seq // len(ids), plan.natural_order(cp, load_balance)
+
+
+def _conv_with_halo(conv: nn.Module, mesh, load_balance: bool) -> None:
+    """A causal depthwise convolution (``ShortConv``) under context parallelism: each local
+    chunk is prefixed with the last ``kernel - 1`` inputs of the chunk before it in the whole
+    sequence (all-gathered: a few tokens per chunk), and the prefix's outputs dropped."""
+    inner = conv.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        halo = conv.weight.shape[-1] - 1
+        ids, length, order = _segments(x.shape[1], mesh, load_balance)
+        if halo == 0:
+            return inner(x)
+        if length < halo:
+            raise ValueError(
+                f"context parallelism: chunks of {length} tokens are shorter than the "
+                f"convolution's {halo}-token halo: use longer sequences or a lower degree"
+            )
+        tails = torch.stack(
+            [x[:, (i + 1) * length - halo : (i + 1) * length] for i in range(len(ids))]
+        )
+        every = _gather_pieces(tails, mesh).flatten(0, 1)
+        outs = []
+        for i, ch in enumerate(ids):
+            seg = x[:, i * length : (i + 1) * length]
+            if ch == 0:
+                outs.append(inner(seg))
+            else:
+                outs.append(inner(torch.cat([every[order[ch - 1]], seg], 1))[:, halo:])
+        return _with_grad_of(torch.cat(outs, 1), every)
+
+    conv.forward = forward
+
+
+def _cp_delta_rule(q, k, v, g, beta, *, chunk: int, mesh, load_balance: bool):
+    """The gated delta rule under context parallelism. The recurrence is affine in its state,
+    so each rank first computes, from a zero state, the state map ``S -> M S + N`` of each of
+    its chunks; the maps are all-gathered and composed in sequence order, which gives every
+    chunk its true initial state; then each chunk runs from it. Differentiable end to end
+    (a chunk's map gets the gradients of every later chunk's initial state)."""
+    from .models._qwen3_5 import chunk_gated_delta_rule, gated_delta_rule_transition
+
+    ids, length, order = _segments(q.shape[1], mesh, load_balance)
+    parts = [slice(i * length, (i + 1) * length) for i in range(len(ids))]
+    maps = [
+        gated_delta_rule_transition(k[:, p], v[:, p], g[:, p], beta[:, p], chunk=chunk)
+        for p in parts
+    ]
+    ms = _gather_pieces(torch.stack([m for m, _ in maps]), mesh).flatten(0, 1)
+    ns = _gather_pieces(torch.stack([n for _, n in maps]), mesh).flatten(0, 1)
+    state = torch.zeros_like(ns[0])
+    starts = {}
+    for ch in range(max(ids) + 1):  # the whole sequence's chunks in order, up to ours
+        starts[ch] = state
+        state = ms[order[ch]] @ state + ns[order[ch]]
+    outs = [
+        chunk_gated_delta_rule(
+            q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], chunk=chunk, initial_state=starts[ch]
+        )
+        for p, ch in zip(parts, ids)
+    ]
+    return _with_grad_of(torch.cat(outs, 1), ms, ns)
 
 
 def _expert_parallel(model: nn.Module, parallel_dims: ParallelDims, mesh, expert_mesh) -> list:

@@ -157,6 +157,75 @@ def test_mla_tensor_parallel_gradients_equal_one_process(pool, name, sp):
             torch.testing.assert_close(got[k], g, rtol=1e-9, atol=1e-12, msg=k)
 
 
+CP_S = 32  # context-parallel runs: 4 tokens per chunk at CP 4 with load balancing
+
+
+def _cp_batch(step):
+    g = torch.Generator().manual_seed(2000 + step)
+    start = torch.randint(0, 256, (4, 1), generator=g)
+    stride = torch.randint(1, 4, (4, 1), generator=g)
+    ids = (start + stride * torch.arange(CP_S + 1)) % 256
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _cp_run(name, dims=None, lb=True, method="ring", steps=5):
+    """Losses of ``steps`` AdamW steps and the first step's gradients (gathered whole), with
+    context parallelism when ``dims`` (tokens and targets sharded along the sequence)."""
+    from hp_dtensor.parallel import context_parallel_shard
+
+    torch.manual_seed(0)
+    base, overrides = VARIANTS.get(name, (name, {}))
+    model = Transformer(get_config(base, max_seq_len=CP_S, **overrides)).double()
+    cp_mesh = None
+    if dims is not None:
+        pd = ParallelDims(**dims, world_size=dist.get_world_size())
+        mesh = pd.build_mesh("cpu")
+        cp_mesh = mesh["cp"]
+        conf = ParallelizeConfig(cp_method=method, cp_load_balance=lb, seq_len=CP_S)
+        model = parallelize_llama(model, parallel_dims=pd, mesh=mesh, config=conf)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step in range(steps):
+        x, y = _cp_batch(step)
+        if cp_mesh is not None:
+            x, y = (context_parallel_shard(t, cp_mesh, 1, load_balance=lb) for t in (x, y))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if step == 0:
+            grads = {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)  # each context-parallel rank's tokens' mean: average them
+            total /= dist.get_world_size()
+        losses.append(total.item())
+    return losses, grads
+
+
+@pytest.mark.parametrize(
+    "name,dims,lb,method",
+    [
+        ("qwen3.5-tiny", {"cp": 2, "dp_shard": 2}, True, "ring"),  # Gated DeltaNet + gated attn
+        ("qwen3.5-tiny", {"cp": 4, "dp_shard": 1}, True, "allgather"),
+        ("qwen3.5-tiny", {"cp": 2, "tp": 2, "dp_shard": 1}, False, "ring"),
+        ("llama3-tiny", {"cp": 4, "dp_shard": 1}, True, "ring"),
+    ],
+    ids=["qwen3.5-cp2xfsdp2", "qwen3.5-cp4", "qwen3.5-cp2xtp2-no-lb", "llama-cp4"],
+)
+def test_context_parallel_equals_one_process(pool, name, dims, lb, method):
+    """Float64, 5 AdamW steps: the losses and the first step's every gradient against one
+    process. Qwen3.5's Gated DeltaNet layers pass their recurrent state between the ranks."""
+    ref_losses, ref_grads = _cp_run(name)
+    for losses, grads in pool.run(_cp_run, name, dims, lb, method):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0)
+        for k, g in ref_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-8, atol=1e-12, msg=k)
+
+
 def _with_kernels(name, dims, sp):
     """The same run with hp_dtensor's CPU collectives on hp_kernels' shared memory."""
     import hp_dtensor

@@ -148,3 +148,32 @@ def test_published_config_matches_transformers_structure(name, billions):
     assert cfg.num_params() == sum(p.numel() for p in ours.parameters())  # used for MFU
     low, high = billions  # the text model (the published name counts the vision tower too)
     assert low * 1e9 < cfg.num_params() < high * 1e9
+
+
+def test_delta_rule_state_maps_compose():
+    """The rule from a given initial state, and a stretch's state map M S + N: cutting a
+    sequence anywhere and passing the state across the cut gives the uncut outputs (float64),
+    which is what context parallelism relies on."""
+    from hp_trainer.models._qwen3_5 import chunk_gated_delta_rule, gated_delta_rule_transition
+
+    g0 = torch.Generator().manual_seed(0)
+    b, s, h, dk, dv = 2, 100, 3, 8, 6
+    q, k = (
+        torch.nn.functional.normalize(
+            torch.randn(b, s, h, dk, generator=g0, dtype=torch.float64), dim=-1
+        )
+        for _ in range(2)
+    )
+    v = torch.randn(b, s, h, dv, generator=g0, dtype=torch.float64)
+    g = -torch.rand(b, s, h, generator=g0, dtype=torch.float64)
+    beta = torch.rand(b, s, h, generator=g0, dtype=torch.float64)
+    start = torch.randn(b, h, dk, dv, generator=g0, dtype=torch.float64)
+    whole = chunk_gated_delta_rule(q, k, v, g, beta, chunk=16, initial_state=start)
+    cuts = [0, 7, 37, 64, 100]  # inside chunks, on a chunk boundary, shorter than a chunk
+    state, outs = start, []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part = (t[:, lo:hi] for t in (q, k, v, g, beta))
+        outs.append(chunk_gated_delta_rule(*part, chunk=16, initial_state=state))
+        m, n = gated_delta_rule_transition(*(t[:, lo:hi] for t in (k, v, g, beta)), chunk=16)
+        state = m @ state + n
+    torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-12, atol=1e-12)

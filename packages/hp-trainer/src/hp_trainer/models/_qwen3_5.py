@@ -24,6 +24,7 @@ __all__ = [
     "ShortConv",
     "ZeroCenteredRMSNorm",
     "chunk_gated_delta_rule",
+    "gated_delta_rule_transition",
 ]
 
 
@@ -64,51 +65,91 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64):
-    """The gated delta rule over a whole sequence, chunked.
-
-    ``q``, ``k``: ``[b, s, h, dk]`` (already L2-normalised); ``v``: ``[b, s, h, dv]``; ``g``
-    (log decay, <= 0) and ``beta``: ``[b, s, h]``. Returns ``[b, s, h, dv]`` in ``v``'s dtype.
-    Computed in float32 (float64 inputs stay float64).
-    """
-    out_dtype = v.dtype
+def _chunked(q, k, v, g, beta, chunk: int):
+    """The chunk-level pieces of the gated delta rule (see :func:`chunk_gated_delta_rule`):
+    per chunk, the resolved values ``u`` and keys ``w``, the within-chunk scores, the decayed
+    queries and keys and the chunk's total decay; ``q`` may be None (no outputs needed)."""
     b, s, h, dk = k.shape
-    q, k, v = (_f32(x.transpose(1, 2)) for x in (q, k, v))  # [b, h, s, d]
+    k, v = (_f32(x.transpose(1, 2)) for x in (k, v))  # [b, h, s, d]
     g, beta = _f32(g.transpose(1, 2)), _f32(beta.transpose(1, 2))  # [b, h, s]
-    q = q * dk**-0.5
-    pad = -s % chunk
+    pad = -s % chunk  # padded positions: no decay, no write (the state passes unchanged)
     if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        k, v = (F.pad(x, (0, 0, 0, pad)) for x in (k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     n = (s + pad) // chunk
-    q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
+    k, v = (x.reshape(b, h, n, chunk, -1) for x in (k, v))
     g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
     gc = g.cumsum(-1)  # log decay from the chunk start to each position (inclusive)
     # decay from position j to i (i >= j) inside a chunk; zero above the diagonal
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
     decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(future, float("-inf")).exp()
     kb, vb = k * beta[..., None], v * beta[..., None]
     # (I + A) u = beta v and (I + A) w = beta k exp(gc), A strictly lower: the chunk's updates
     # resolved against each other
     a = (kb @ k.transpose(-1, -2)) * decay
     system = a.masked_fill(~torch.ones_like(future).tril(-1), 0.0)
-    system = system + torch.eye(chunk, device=q.device, dtype=q.dtype)
+    system = system + torch.eye(chunk, device=k.device, dtype=k.dtype)
     u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(
         system, kb * gc.exp()[..., None], upper=False, unitriangular=True
     )
-    attn = (q @ k.transpose(-1, -2)) * decay  # within-chunk scores, causal incl. the diagonal
-    q_dec = q * gc.exp()[..., None]
     k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
     chunk_decay = gc[..., -1].exp()[..., None, None]
-    state = q.new_zeros(b, h, dk, v.shape[-1])
+    parts = {"u": u, "w": w, "k_dec": k_dec, "chunk_decay": chunk_decay, "n": n, "pad": pad}
+    if q is not None:
+        q = _f32(q.transpose(1, 2)) * dk**-0.5
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad))
+        q = q.reshape(b, h, n, chunk, -1)
+        parts["attn"] = (q @ k.transpose(-1, -2)) * decay  # within-chunk scores, causal
+        parts["q_dec"] = q * gc.exp()[..., None]
+    return parts
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64, initial_state=None):
+    """The gated delta rule over a whole sequence, chunked.
+
+    ``q``, ``k``: ``[b, s, h, dk]`` (already L2-normalised); ``v``: ``[b, s, h, dv]``; ``g``
+    (log decay, <= 0) and ``beta``: ``[b, s, h]``; ``initial_state``: ``[b, h, dk, dv]`` (the
+    state before the first token; zeros by default). Returns ``[b, s, h, dv]`` in ``v``'s
+    dtype. Computed in float32 (float64 inputs stay float64).
+    """
+    out_dtype = v.dtype
+    b, s, h, dk = k.shape
+    c = _chunked(q, k, v, g, beta, chunk)
+    u, w, q_dec, attn = c["u"], c["w"], c["q_dec"], c["attn"]
+    k_dec, chunk_decay = c["k_dec"], c["chunk_decay"]
+    if initial_state is None:
+        state = u.new_zeros(b, h, dk, v.shape[-1])
+    else:
+        state = _f32(initial_state)
     out = torch.empty_like(u)
-    for i in range(n):
+    for i in range(c["n"]):
         corrected = u[:, :, i] - w[:, :, i] @ state  # new values minus what the state predicts
         out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ corrected
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ corrected
-    out = out.reshape(b, h, n * chunk, -1)[:, :, :s]
+    out = out.reshape(b, h, c["n"] * chunk, -1)[:, :, :s]
     return out.transpose(1, 2).to(out_dtype)
+
+
+def gated_delta_rule_transition(k, v, g, beta, *, chunk: int = 64):
+    """The state map of a stretch of tokens: the rule is affine in its state, so the state
+    after them is ``M @ S + N`` for the state ``S`` before them. Returns ``(M, N)``,
+    ``[b, h, dk, dk]`` and ``[b, h, dk, dv]`` (float32; float64 for float64 inputs); shapes
+    as in :func:`chunk_gated_delta_rule`. Context parallelism composes these over the ranks'
+    stretches to give each rank its true initial state."""
+    b, s, h, dk = k.shape
+    c = _chunked(None, k, v, g, beta, chunk)
+    u, w, k_dec, chunk_decay = c["u"], c["w"], c["k_dec"], c["chunk_decay"]
+    eye = torch.eye(dk, device=u.device, dtype=u.dtype)
+    m = eye.expand(b, h, dk, dk)
+    nn_ = u.new_zeros(b, h, dk, v.shape[-1])
+    for i in range(c["n"]):
+        # one chunk: S' = (decay I - k_dec^T w) S + k_dec^T u
+        kt = k_dec[:, :, i].transpose(-1, -2)
+        step = chunk_decay[:, :, i] * eye - kt @ w[:, :, i]
+        m, nn_ = step @ m, step @ nn_ + kt @ u[:, :, i]
+    return m, nn_
 
 
 class ShortConv(nn.Module):
@@ -163,6 +204,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, cfg.dim, bias=False)
         self.chunk = 64
 
+    #: the recurrence's implementation, ``(q, k, v, g, beta, *, chunk) -> o`` (context
+    #: parallelism installs one that passes the state between ranks)
+    delta_rule = staticmethod(chunk_gated_delta_rule)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Decay parameters as in the reference initialisation (the convolutions reset
@@ -183,7 +228,7 @@ class GatedDeltaNet(nn.Module):
         # L2 normalisation as the reference kernels define it: eps inside the square root
         q = _f32(q) * torch.rsqrt(_f32(q).pow(2).sum(-1, keepdim=True) + 1e-6)
         k = _f32(k) * torch.rsqrt(_f32(k).pow(2).sum(-1, keepdim=True) + 1e-6)
-        o = chunk_gated_delta_rule(q, k, v, g, beta, chunk=self.chunk)
+        o = self.delta_rule(q, k, v, g, beta, chunk=self.chunk)
         z = self.in_proj_z(x).reshape(bsz, s, -1, self.dv)
         o = self.norm(o, z).reshape(bsz, s, -1)
         return self.out_proj(o)
