@@ -115,6 +115,53 @@ def test_every_method_equals_sdpa(pool2, pool4, ranks, dtype, tol):
         assert len(errors) == len(CASES) + 5
 
 
+def _doc_mask(lengths, causal):
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = doc[:, None] == doc[None, :]
+    return mask & torch.ones_like(mask).tril() if causal else mask
+
+
+def _documents():
+    """Packed documents of lengths that divide by nothing in particular; per-document load
+    balancing; every method against SDPA with the block-diagonal (causal) mask, float64."""
+    cp = dist.get_world_size()
+    mesh = hp.init_device_mesh("cpu", (cp,))
+    lengths = [5, 1, 11, 3, 4] if cp == 2 else [7, 13, 2, 9, 9]  # 24 and 40 tokens
+    seq = sum(lengths)
+    errors = {}
+    for method, causal, lb, kv in CASES:
+        q, k, v, dout = _inputs(seq, kv, torch.float64, seed=6)
+        mask = _doc_mask(lengths, causal)
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, enable_gqa=kv != H)
+        ref.backward(dout)
+        expected = (ref.detach(), qr.grad, kr.grad, vr.grad)
+        kw = dict(load_balance=lb, document_lengths=lengths)
+        ql, kl, vl, dl = (context_parallel_shard(t, mesh, 2, **kw) for t in (q, k, v, dout))
+        ql, kl, vl = (t.detach().requires_grad_() for t in (ql, kl, vl))
+        out = context_parallel_attention(
+            ql, kl, vl, mesh, is_causal=causal, method=method, enable_gqa=kv != H, **kw
+        )
+        out.backward(dl)
+        got = [
+            context_parallel_unshard(t.detach(), mesh, 2, **kw)
+            for t in (out, ql.grad, kl.grad, vl.grad)
+        ]
+        errors[(method, causal, lb, kv)] = _worst(got, expected)
+    # every rank holds seq / cp tokens whatever the documents
+    local = context_parallel_shard(torch.arange(seq)[None], mesh, 1, document_lengths=lengths)
+    errors["equal_counts"] = 0.0 if local.shape[1] == seq // cp else 1.0
+    return errors
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_document_masks(pool2, pool4, ranks):
+    pool = pool2 if ranks == 2 else pool4
+    for errors in pool.run(_documents):
+        bad = {k: v for k, v in errors.items() if not v < 1e-7}
+        assert not bad, bad
+
+
 def _bf16_error():
     cp = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (cp,))

@@ -48,3 +48,26 @@ def test_layout():
             pos = plan.positions(8 * cp, cp, r, True)
             work.append(sum(p + 1 for p in pos))
         assert len(set(work)) == 1
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_document_layout_balances_tokens_and_work(cp):
+    import random
+
+    rng = random.Random(cp)
+    docs = [rng.randint(1, 900) for _ in range(7)]
+    docs[-1] += -sum(docs) % cp
+    spans = plan.document_layout(docs, cp)
+    held = sorted(i for r in spans for a, b in r for i in range(a, b))
+    assert held == list(range(sum(docs)))  # every token once
+    counts = [sum(b - a for a, b in r) for r in spans]
+    assert len(set(counts)) == 1  # the same number of tokens everywhere
+    starts, pos = {}, 0
+    for n in docs:
+        for i in range(pos, pos + n):
+            starts[i] = pos
+        pos += n
+    work = [sum(i - starts[i] + 1 for a, b in r for i in range(a, b)) for r in spans]
+    assert max(work) / min(work) < 1.01  # causal work within each document, even
+    with pytest.raises(ValueError, match="not divisible by cp"):
+        plan.document_layout([3], 2)

@@ -91,16 +91,55 @@ def _seq_dim(seq_dim: int, x: torch.Tensor, fn: str) -> int:
 
 
 # -- shard / unshard ----------------------------------------------------------------------------
+def _check_documents(documents, seq: int, cp: int, fn: str) -> tuple[int, ...]:
+    docs = tuple(documents)
+    if not docs or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in docs):
+        raise ContextParallelError(
+            f"{fn}: document_lengths={documents!r} must be positive ints (each document's "
+            "token count, in sequence order)"
+        )
+    if sum(docs) != seq:
+        raise ContextParallelError(
+            f"{fn}: document_lengths sum to {sum(docs)}, but the sequence has {seq} tokens: "
+            "give every document's length, padding included"
+        )
+    if seq % cp:
+        raise ContextParallelError(
+            f"{fn}: sequence length {seq} is not divisible by cp = {cp}: pad the sequence"
+        )
+    return docs
+
+
+def _positions(cp: int, load_balance: bool, seq: int, documents) -> list[list[int]]:
+    """Every rank's global positions, in its local order."""
+    if documents is not None and load_balance:
+        spans = plan.document_layout(list(documents), cp)
+        return [[i for a, b in spans[r] for i in range(a, b)] for r in range(cp)]
+    return [plan.positions(seq, cp, r, load_balance) for r in range(cp)]
+
+
 def context_parallel_shard(
-    x: torch.Tensor, mesh: DeviceMesh, seq_dim: int, *, load_balance: bool = True
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    seq_dim: int,
+    *,
+    load_balance: bool = True,
+    document_lengths=None,
 ) -> torch.Tensor:
     """This rank's part of ``x`` along ``seq_dim`` (a new tensor): chunk ``r`` of ``cp``, or
-    with ``load_balance`` chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``, concatenated.
-    Differentiable."""
+    with ``load_balance`` chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``, concatenated. For a
+    sequence packed from documents (``document_lengths``, in order), load balancing is per
+    document (``_cp_plan.document_layout``: no length needs to divide by anything; every rank
+    gets ``seq / cp`` tokens). Differentiable."""
     _check_mesh(mesh, "context_parallel_shard")
     cp, rank = mesh.size(), mesh.get_local_rank()
     dim = _seq_dim(seq_dim, x, "context_parallel_shard")
-    _check_length(x.shape[dim], cp, load_balance, f"context_parallel_shard(seq_dim={seq_dim})")
+    fn = f"context_parallel_shard(seq_dim={seq_dim})"
+    if document_lengths is not None and load_balance:
+        docs = _check_documents(document_lengths, x.shape[dim], cp, fn)
+        idx = torch.tensor(_positions(cp, True, x.shape[dim], docs)[rank], device=x.device)
+        return x.index_select(dim, idx)
+    _check_length(x.shape[dim], cp, load_balance, fn)
     c = x.shape[dim] // plan.num_chunks(cp, load_balance)
     parts = [x.narrow(dim, ch * c, c) for ch in plan.local_chunks(cp, rank, load_balance)]
     return torch.cat(parts, dim)
@@ -115,9 +154,19 @@ def _gather_seq(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _to_natural(x: torch.Tensor, dim: int, cp: int, load_balance: bool, inverse=False):
-    """Reorder the chunks of ``x`` along ``dim`` between the ranks' layout (every rank's local
-    chunks, rank 0's first) and the global order (``inverse``: global -> layout)."""
+def _to_natural(
+    x: torch.Tensor, dim: int, cp: int, load_balance: bool, inverse=False, documents=None
+):
+    """Reorder ``x`` along ``dim`` between the ranks' layout (every rank's local tokens, rank
+    0's first) and the global order (``inverse``: global -> layout)."""
+    if documents is not None and load_balance:
+        layout = [i for pos in _positions(cp, True, x.shape[dim], documents) for i in pos]
+        if not inverse:
+            order = [0] * len(layout)
+            for j, i in enumerate(layout):
+                order[i] = j
+            layout = order
+        return x.index_select(dim, torch.tensor(layout, device=x.device))
     n = plan.num_chunks(cp, load_balance)
     if n == cp:  # one chunk per rank: the layout is the global order
         return x
@@ -132,31 +181,48 @@ def _to_natural(x: torch.Tensor, dim: int, cp: int, load_balance: bool, inverse=
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mesh, dim, load_balance):
-        ctx.mesh, ctx.dim, ctx.lb = mesh, dim, load_balance
-        return _to_natural(_gather_seq(x, mesh, dim), dim, mesh.size(), load_balance)
+    def forward(ctx, x, mesh, dim, load_balance, documents):
+        ctx.mesh, ctx.dim, ctx.lb, ctx.docs = mesh, dim, load_balance, documents
+        whole = _gather_seq(x, mesh, dim)
+        return _to_natural(whole, dim, mesh.size(), load_balance, documents=documents)
 
     @staticmethod
     def backward(ctx, g):
-        part = context_parallel_shard(g, ctx.mesh, ctx.dim, load_balance=ctx.lb)
-        return part, None, None, None
+        part = context_parallel_shard(
+            g, ctx.mesh, ctx.dim, load_balance=ctx.lb, document_lengths=ctx.docs
+        )
+        return part, None, None, None, None
 
 
 def context_parallel_unshard(
-    x_local: torch.Tensor, mesh: DeviceMesh, seq_dim: int, *, load_balance: bool = True
+    x_local: torch.Tensor,
+    mesh: DeviceMesh,
+    seq_dim: int,
+    *,
+    load_balance: bool = True,
+    document_lengths=None,
 ) -> torch.Tensor:
-    """The whole tensor from every rank's ``context_parallel_shard`` part (an all-gather).
-    Differentiable: the result is a replicated value (the same on every rank), so the gradient
-    reaching this rank's part is this rank's chunks of the incoming gradient."""
+    """The whole tensor from every rank's ``context_parallel_shard`` part (an all-gather; the
+    same ``load_balance`` and ``document_lengths``). Differentiable: the result is a replicated
+    value (the same on every rank), so the gradient reaching this rank's part is this rank's
+    chunks of the incoming gradient."""
     _check_mesh(mesh, "context_parallel_unshard")
     dim = _seq_dim(seq_dim, x_local, "context_parallel_unshard")
-    n = len(plan.local_chunks(mesh.size(), mesh.get_local_rank(), load_balance))
-    if x_local.shape[dim] % n:
-        raise ContextParallelError(
-            f"context_parallel_unshard(seq_dim={seq_dim}): local length {x_local.shape[dim]} "
-            f"is not divisible by the {n} chunks a rank holds (load_balance={load_balance})"
+    cp = mesh.size()
+    docs = None
+    if document_lengths is not None and load_balance:
+        docs = _check_documents(
+            document_lengths, x_local.shape[dim] * cp, cp, "context_parallel_unshard"
         )
-    return _Unshard.apply(x_local, mesh, dim, load_balance)
+    else:
+        n = len(plan.local_chunks(cp, mesh.get_local_rank(), load_balance))
+        if x_local.shape[dim] % n:
+            raise ContextParallelError(
+                f"context_parallel_unshard(seq_dim={seq_dim}): local length "
+                f"{x_local.shape[dim]} is not divisible by the {n} chunks a rank holds "
+                f"(load_balance={load_balance})"
+            )
+    return _Unshard.apply(x_local, mesh, dim, load_balance, docs)
 
 
 # -- block kernels --------------------------------------------------------------------------------
@@ -190,10 +256,11 @@ def _pad_v(v: torch.Tensor, d: int) -> torch.Tensor:
     return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
 
 
-def _block_fwd(q, k, v, causal: bool, scale: float):
+def _block_fwd(q, k, v, causal: bool, scale: float, mask=None):
     """``(out, lse, aux)`` of one block: ``out`` in q's dtype, ``lse`` in the accumulation
-    dtype, ``aux`` what the backward of the kernel needs."""
-    kind = _fused_kind(q, v)
+    dtype (-inf, with a zero output, for rows ``mask`` hides everything from), ``aux`` what
+    the backward of the kernel needs."""
+    kind = "math" if mask is not None else _fused_kind(q, v)
     acc = _acc_dtype(q.dtype)
     dv = v.shape[-1]
     if kind == "cpu":
@@ -215,8 +282,11 @@ def _block_fwd(q, k, v, causal: bool, scale: float):
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_causal_mask(s), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: p = 0
+    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.to(acc))
     return out.to(q.dtype), lse, None
 
 
@@ -225,11 +295,11 @@ def _causal_mask(s: torch.Tensor) -> torch.Tensor:
     return torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1)
 
 
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux, mask=None):
     """``(dq, dk, dv)`` of one block (in the kernel's dtype: the callers add them into float32
     accumulators), from the merged output and log-sum-exp of its queries (the standard
     recomputation)."""
-    kind = _fused_kind(q, v)
+    kind = "math" if mask is not None else _fused_kind(q, v)
     acc = _acc_dtype(q.dtype)
     d, dv_dim = q.shape[-1], v.shape[-1]
     if kind == "cpu":
@@ -292,6 +362,8 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
     s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_causal_mask(s), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - lse.to(acc).unsqueeze(-1))
     g = dout.to(acc)
     dv = torch.matmul(p.transpose(-1, -2), g)
@@ -339,6 +411,8 @@ class _Config:
     groups: int  # query heads per key/value head
     method: str
     overlap: bool
+    documents: tuple[int, ...] | None = None  # packed documents' lengths (document masks)
+    device: Any = None
 
 
 class _Shift:
@@ -399,12 +473,35 @@ def _stack_gather(t: torch.Tensor, cfg: _Config) -> torch.Tensor:
 
 # -- ring / all-gather attention -------------------------------------------------------------------
 def _calls(cfg: _Config, src: int, lq: int, lk: int):
+    """``((q_lo, q_hi), (k_lo, k_hi), is_causal, mask)`` for this rank's queries against rank
+    ``src``'s keys: blocks of whole chunks, or with documents one masked block (None when
+    nothing is visible)."""
+    if cfg.documents is not None:
+        mask = _document_mask(cfg, cfg.rank, src, lq)
+        if mask is not None:
+            yield (0, lq), (0, lk), False, mask
+        return
     nq = len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
     cq, ck = lq // nq, lk // nq
     for (qlo, qhi), (klo, khi), causal in plan.block_calls(
         cfg.cp, cfg.rank, src, cfg.causal, cfg.load_balance
     ):
-        yield (qlo * cq, qhi * cq), (klo * ck, khi * ck), causal
+        yield (qlo * cq, qhi * cq), (klo * ck, khi * ck), causal, None
+
+
+def _document_mask(cfg: _Config, rank: int, src: int, lq: int) -> torch.Tensor | None:
+    """Which of rank ``src``'s keys each of rank ``rank``'s queries sees (the same document,
+    and not later when causal); None when none."""
+    positions = _positions(cfg.cp, cfg.load_balance, lq * cfg.cp, cfg.documents)
+    doc = [d for d, n in enumerate(cfg.documents) for _ in range(n)]
+    pq = torch.tensor(positions[rank], device=cfg.device)
+    pk = torch.tensor(positions[src], device=cfg.device)
+    dq = torch.tensor([doc[i] for i in positions[rank]], device=cfg.device)
+    dk = torch.tensor([doc[i] for i in positions[src]], device=cfg.device)
+    mask = dq[:, None] == dk[None, :]
+    if cfg.causal:
+        mask &= pk[None, :] <= pq[:, None]
+    return mask if bool(mask.any()) else None
 
 
 def _forward(q, k, v, cfg: _Config, blocks=None):
@@ -417,17 +514,23 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
     aux = {}
     if blocks is None:
         blocks = _ring_blocks(k, v, cfg) if cfg.method == "ring" else _gathered_blocks(k, v, cfg)
-    nq = len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
+    nq = (
+        1
+        if cfg.documents is not None
+        else len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
+    )
     cq = lq // nq
     touched = [False] * nq  # the local query chunks some block has reached
     for src, kb, vb in blocks:
-        for i, ((qlo, qhi), (klo, khi), causal) in enumerate(_calls(cfg, src, lq, kb.shape[2])):
+        calls = _calls(cfg, src, lq, kb.shape[2])
+        for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
             o, lb, aux[(src, i)] = _block_fwd(
                 q[:, :, qlo:qhi],
                 _expand(kb[:, :, klo:khi], cfg.groups),
                 _expand(vb[:, :, klo:khi], cfg.groups),
                 causal,
                 cfg.scale,
+                mask,
             )
             chunks = range(qlo // cq, qhi // cq)
             _merge(out, lse, qlo, qhi, o, lb, not any(touched[c] for c in chunks))
@@ -439,7 +542,8 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
 def _block_grads(dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb) -> None:
     """Add the gradients of this rank's queries' blocks against rank ``src``'s keys and values
     (``kb``, ``vb``) into ``dq`` and that block's ``dkb``, ``dvb``."""
-    for i, ((qlo, qhi), (klo, khi), causal) in enumerate(_calls(cfg, src, q.shape[2], kb.shape[2])):
+    calls = _calls(cfg, src, q.shape[2], kb.shape[2])
+    for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
         gq, gk, gv = _block_bwd(
             dout[:, :, qlo:qhi],
             q[:, :, qlo:qhi],
@@ -450,6 +554,7 @@ def _block_grads(dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb
             causal,
             cfg.scale,
             aux[(src, i)],
+            mask,
         )
         dq[:, :, qlo:qhi] += gq
         dkb[:, :, klo:khi] += _reduce_groups(gk, cfg.groups)
@@ -537,14 +642,14 @@ def _seq_to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
     n = cfg.cp
     y = _AllToAll.apply(x.view(b, n, h // n, s, d).movedim(1, 0), cfg.mesh)
     y = y.movedim(0, 2).reshape(b, h // n, n * s, d)
-    return _to_natural(y, 2, n, cfg.load_balance)
+    return _to_natural(y, 2, n, cfg.load_balance, documents=cfg.documents)
 
 
 def _heads_to_seq(y: torch.Tensor, cfg: _Config) -> torch.Tensor:
     """The inverse of :func:`_seq_to_heads`."""
     b, hl, s, d = y.shape
     n = cfg.cp
-    y = _to_natural(y, 2, n, cfg.load_balance, inverse=True)
+    y = _to_natural(y, 2, n, cfg.load_balance, inverse=True, documents=cfg.documents)
     x = _AllToAll.apply(y.view(b, hl, n, s // n, d).movedim(2, 0), cfg.mesh)
     return x.movedim(0, 1).reshape(b, hl * n, s // n, d)
 
@@ -554,8 +659,23 @@ def _ulysses(q, k, v, cfg: _Config):
     if hkv % n:  # fewer key/value heads than ranks: each rank gets its query heads' one
         k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
     qh, kh, vh = (_seq_to_heads(t, cfg) for t in (q, k, v))
+    mask = None
+    if cfg.documents is not None:  # the whole sequence in order: a block-diagonal mask
+        doc = torch.repeat_interleave(
+            torch.arange(len(cfg.documents), device=q.device),
+            torch.tensor(cfg.documents, device=q.device),
+        )
+        mask = doc[:, None] == doc[None, :]
+        if cfg.causal:
+            mask &= torch.ones_like(mask).tril()
     o = F.scaled_dot_product_attention(
-        qh, kh, vh, is_causal=cfg.causal, scale=cfg.scale, enable_gqa=kh.shape[1] != qh.shape[1]
+        qh,
+        kh,
+        vh,
+        attn_mask=mask,
+        is_causal=cfg.causal and mask is None,
+        scale=cfg.scale,
+        enable_gqa=kh.shape[1] != qh.shape[1],
     )
     return _heads_to_seq(o, cfg)
 
@@ -573,9 +693,14 @@ def context_parallel_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     overlap: bool = False,
+    document_lengths=None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, whose pieces the ranks of the
     1-D ``mesh`` hold as ``context_parallel_shard(..., load_balance=load_balance)`` gave them.
+    ``document_lengths``: the sequence is packed from documents of these lengths (the same for
+    the whole batch) and each token attends only within its own (causally unless
+    ``is_causal=False``); the pieces must come from ``context_parallel_shard`` with the same
+    lengths (per-document load balancing). Masked blocks run on the math kernel.
 
     ``q`` ``(batch, heads, seq_local, head_dim)``, ``k``/``v`` ``(batch, kv_heads, seq_local,
     head_dim)`` (``v`` may have its own head dim); ``enable_gqa`` as in
@@ -614,6 +739,7 @@ def context_parallel_attention(
             scale=scale,
             enable_gqa=enable_gqa,
             overlap=overlap,
+            document_lengths=document_lengths,
         )
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
     fn = "context_parallel_attention"
@@ -648,7 +774,13 @@ def context_parallel_attention(
             f"{fn}: {h} query heads and {hkv} key/value heads need enable_gqa=True and a "
             "query head count divisible by the key/value one"
         )
-    _check_length(s * cp, cp, load_balance, fn)
+    docs = None
+    if document_lengths is not None:
+        docs = _check_documents(document_lengths, s * cp, cp, fn)
+        if not load_balance:
+            _check_length(s * cp, cp, load_balance, fn)
+    else:
+        _check_length(s * cp, cp, load_balance, fn)
     if method == "ulysses":
         if h % cp:
             raise ContextParallelError(
@@ -672,9 +804,11 @@ def context_parallel_attention(
         groups=h // hkv,
         method=method,
         overlap=bool(overlap),
+        documents=docs,
+        device=q.device,
     )
     with _inside():  # SDPA calls made here are local ones, whatever modes are active
-        if cp == 1:
+        if cp == 1 and docs is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=is_causal, scale=cfg.scale, enable_gqa=hkv != h
             )

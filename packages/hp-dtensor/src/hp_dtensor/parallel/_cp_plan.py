@@ -6,6 +6,11 @@ holds chunks ``r`` and ``2 * cp - 1 - r`` (head-tail), in that order: under a ca
 every rank then has the same work. A rank's local sequence keeps the global order of its
 tokens, so a causal mask over its own chunks is the ordinary top-left one.
 
+Packed sequences (several documents, each attending only to itself) are balanced per document
+instead (:func:`document_layout`): each document is cut into ``2 * cp`` pieces, head-tail as
+above, whatever its length; the pieces' rounding is spread so that every rank holds the same
+number of tokens.
+
 The attention of a rank's queries against the keys of one rank (its own or another's) splits
 into blocks of whole chunks, each either full or causal (or empty):
 :func:`block_calls` gives them as few calls as possible, merged where the chunks are adjacent
@@ -17,6 +22,7 @@ from __future__ import annotations
 __all__ = [
     "block_calls",
     "chunk_kind",
+    "document_layout",
     "local_chunks",
     "natural_order",
     "num_chunks",
@@ -92,4 +98,36 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], i + 1)
         else:
             out.append((i, i + 1))
+    return out
+
+
+def document_layout(doc_lengths: list[int], cp: int) -> list[list[tuple[int, int]]]:
+    """Per rank, the ``(start, end)`` stretches of global positions it holds, ascending, for a
+    sequence packed from documents of ``doc_lengths`` (summing to a multiple of ``cp``). Each
+    document is cut into ``2 * cp`` pieces, piece ``p`` going to rank ``p`` or ``2 cp - 1 - p``
+    (causal work even within every document); a document's ``n mod 2 cp`` extra tokens go
+    round the ranks, continuing from the previous document's, so that every rank gets
+    ``sum / cp`` tokens. No length needs to divide by anything."""
+    total = sum(doc_lengths)
+    if total % cp:
+        raise ValueError(f"the documents' total length {total} is not divisible by cp = {cp}")
+    out: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    turn, start = 0, 0
+    for n in doc_lengths:
+        base, rem = divmod(n, 2 * cp)
+        sizes = [base] * (2 * cp)
+        for t in range(rem):  # rank (turn + t) % cp: its head piece, then its tail piece
+            r = (turn + t) % cp
+            head_taken = t >= cp
+            sizes[2 * cp - 1 - r if head_taken else r] += 1
+        turn = (turn + rem) % cp
+        for piece, size in enumerate(sizes):
+            if size:
+                owner = piece if piece < cp else 2 * cp - 1 - piece
+                spans = out[owner]
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + size)
+                else:
+                    spans.append((start, start + size))
+                start += size
     return out
