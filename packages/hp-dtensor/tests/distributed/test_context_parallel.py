@@ -162,6 +162,32 @@ def test_document_masks(pool2, pool4, ranks):
         assert not bad, bad
 
 
+def _usp():
+    """USP on a 2 x 2 (ring, Ulysses) mesh: every causal / full x balanced / not x MHA / GQA
+    case against SDPA (float64), and the style on a module."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    errors = {}
+    for causal, lb, kv in itertools.product((True, False), (True, False), (4, 2, 1)):
+        q, k, v, dout = _inputs(16, kv, torch.float64, seed=7)
+        expected = _reference(q, k, v, dout, causal)
+        errors[(causal, lb, kv)] = _worst(_cp(q, k, v, dout, mesh, "usp", causal, lb), expected)
+    torch.manual_seed(0)
+    ref = _Attention().double()
+    x = torch.randn(2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model = _Attention().double()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, mesh, ContextParallel(method="usp"))
+    y = context_parallel_unshard(model(context_parallel_shard(x, mesh, 1)).detach(), mesh, 1)
+    errors["style"] = (y - ref(x)).abs().max().item()
+    return errors
+
+
+def test_usp_on_a_ring_by_ulysses_mesh(pool4):
+    for errors in pool4.run(_usp):
+        bad = {k: v for k, v in errors.items() if not v < 1e-7}
+        assert not bad, bad
+
+
 def _bf16_error():
     cp = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (cp,))

@@ -18,6 +18,8 @@ dimension and put it back (see ``_cp_plan`` for the chunk layout; load balancing
 - ``"ulysses"``: all-to-all from sequence-split to head-split, ordinary attention over the
   whole sequence for this rank's heads, and back. With fewer key/value heads than ranks, the
   key/value heads are replicated so each rank has the one its query heads use.
+- ``"usp"``: on a 2-D (ring, Ulysses) mesh, Ulysses over the inner dimension (each rank gets
+  its head group of its Ulysses group's ring piece), the ring over the outer one.
 
 ``overlap=True`` (``AsyncContextParallel``; ring only) posts the next step's key/value transfer
 before this step's blocks, so they run together (the key/value gradients' transfer in backward
@@ -55,17 +57,24 @@ __all__ = [
 ]
 
 #: the attention methods of ``context_parallel_attention``
-METHODS = ("ring", "allgather", "ulysses")
+METHODS = ("ring", "allgather", "ulysses", "usp")
 
 
 # -- checks -------------------------------------------------------------------------------------
-def _check_mesh(mesh: Any, fn: str) -> None:
+def _check_mesh(mesh: Any, fn: str, *, usp: bool = False) -> None:
+    """A 1-D mesh; with ``usp`` a 2-D one with named dimensions (ring, Ulysses)."""
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"{fn}: mesh must be a DeviceMesh (the cp one), got {type(mesh).__name__}")
-    if mesh.ndim != 1:
+    if usp:
+        if mesh.ndim != 2 or not mesh.mesh_dim_names:
+            raise MeshError(
+                f"{fn}: method='usp' needs a 2-D mesh with named dimensions (ring, ulysses), "
+                f"got a {mesh.ndim}-D one {mesh.mesh_dim_names}"
+            )
+    elif mesh.ndim != 1:
         raise MeshError(
             f"{fn}: context parallelism needs a 1-D mesh, got a {mesh.ndim}-D one "
-            f"{mesh.mesh_dim_names}: pass mesh['cp']"
+            f"{mesh.mesh_dim_names}: pass mesh['cp'] (or method='usp' for a 2-D one)"
         )
     if getattr(mesh, "framework", "torch") != "torch":
         raise MeshError(f"{fn}: context parallelism runs on torch meshes only")
@@ -118,6 +127,27 @@ def _positions(cp: int, load_balance: bool, seq: int, documents) -> list[list[in
     return [plan.positions(seq, cp, r, load_balance) for r in range(cp)]
 
 
+def _usp_layout(mesh: DeviceMesh, seq: int, load_balance: bool, fn: str) -> list[list[int]]:
+    """Every rank's positions on a (ring, Ulysses) mesh, in row-major rank order."""
+    ring, uly = mesh.shape
+    n = plan.num_chunks(ring, load_balance) * uly
+    if seq % n:
+        raise ContextParallelError(
+            f"{fn}: sequence length {seq} is not divisible by {n} (the ring's "
+            f"{plan.num_chunks(ring, load_balance)} chunks x {uly} Ulysses ranks): pad it"
+        )
+    return [
+        plan.usp_positions(seq, ring, uly, r, u, load_balance)
+        for r in range(ring)
+        for u in range(uly)
+    ]
+
+
+def _usp_rank(mesh: DeviceMesh) -> int:
+    ring, uly = _usp_meshes(mesh)
+    return ring.get_local_rank() * uly.size() + uly.get_local_rank()
+
+
 def context_parallel_shard(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -130,11 +160,16 @@ def context_parallel_shard(
     with ``load_balance`` chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``, concatenated. For a
     sequence packed from documents (``document_lengths``, in order), load balancing is per
     document (``_cp_plan.document_layout``: no length needs to divide by anything; every rank
-    gets ``seq / cp`` tokens). Differentiable."""
+    gets ``seq / cp`` tokens). On a 2-D (ring, Ulysses) mesh, the layout of
+    ``method="usp"`` (``_cp_plan.usp_positions``). Differentiable."""
+    fn = f"context_parallel_shard(seq_dim={seq_dim})"
+    dim = _seq_dim(seq_dim, x, "context_parallel_shard")
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+        _check_mesh(mesh, fn, usp=True)
+        pos = _usp_layout(mesh, x.shape[dim], load_balance, fn)[_usp_rank(mesh)]
+        return x.index_select(dim, torch.tensor(pos, device=x.device))
     _check_mesh(mesh, "context_parallel_shard")
     cp, rank = mesh.size(), mesh.get_local_rank()
-    dim = _seq_dim(seq_dim, x, "context_parallel_shard")
-    fn = f"context_parallel_shard(seq_dim={seq_dim})"
     if document_lengths is not None and load_balance:
         docs = _check_documents(document_lengths, x.shape[dim], cp, fn)
         idx = torch.tensor(_positions(cp, True, x.shape[dim], docs)[rank], device=x.device)
@@ -183,6 +218,15 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, dim, load_balance, documents):
         ctx.mesh, ctx.dim, ctx.lb, ctx.docs = mesh, dim, load_balance, documents
+        if mesh.ndim == 2:  # the (ring, Ulysses) layout
+            whole = _gather_seq(x, mesh.flatten(), dim)
+            layout = [
+                i for pos in _usp_layout(mesh, whole.shape[dim], load_balance, "") for i in pos
+            ]
+            order = [0] * len(layout)
+            for j, i in enumerate(layout):
+                order[i] = j
+            return whole.index_select(dim, torch.tensor(order, device=x.device))
         whole = _gather_seq(x, mesh, dim)
         return _to_natural(whole, dim, mesh.size(), load_balance, documents=documents)
 
@@ -206,8 +250,11 @@ def context_parallel_unshard(
     same ``load_balance`` and ``document_lengths``). Differentiable: the result is a replicated
     value (the same on every rank), so the gradient reaching this rank's part is this rank's
     chunks of the incoming gradient."""
-    _check_mesh(mesh, "context_parallel_unshard")
     dim = _seq_dim(seq_dim, x_local, "context_parallel_unshard")
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+        _check_mesh(mesh, "context_parallel_unshard", usp=True)
+        return _Unshard.apply(x_local, mesh, dim, load_balance, None)
+    _check_mesh(mesh, "context_parallel_unshard")
     cp = mesh.size()
     docs = None
     if document_lengths is not None and load_balance:
@@ -636,22 +683,72 @@ def _all_to_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return out
 
 
+def _heads_from_all(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``(b, h, s_local, d)`` -> ``(b, h / n, n s_local, d)``: this rank's head group, every
+    rank's tokens (rank 0's first)."""
+    b, h, s, d = x.shape
+    n = mesh.size()
+    y = _AllToAll.apply(x.view(b, n, h // n, s, d).movedim(1, 0), mesh)
+    return y.movedim(0, 2).reshape(b, h // n, n * s, d)
+
+
+def _tokens_from_all(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The inverse of :func:`_heads_from_all`."""
+    b, hl, s, d = y.shape
+    n = mesh.size()
+    x = _AllToAll.apply(y.view(b, hl, n, s // n, d).movedim(2, 0), mesh)
+    return x.movedim(0, 1).reshape(b, hl * n, s // n, d)
+
+
 def _seq_to_heads(x: torch.Tensor, cfg: _Config) -> torch.Tensor:
     """``(b, h, s_local, d)`` -> ``(b, h / cp, s, d)``, the sequence in global order."""
-    b, h, s, d = x.shape
-    n = cfg.cp
-    y = _AllToAll.apply(x.view(b, n, h // n, s, d).movedim(1, 0), cfg.mesh)
-    y = y.movedim(0, 2).reshape(b, h // n, n * s, d)
-    return _to_natural(y, 2, n, cfg.load_balance, documents=cfg.documents)
+    y = _heads_from_all(x, cfg.mesh)
+    return _to_natural(y, 2, cfg.cp, cfg.load_balance, documents=cfg.documents)
 
 
 def _heads_to_seq(y: torch.Tensor, cfg: _Config) -> torch.Tensor:
     """The inverse of :func:`_seq_to_heads`."""
-    b, hl, s, d = y.shape
-    n = cfg.cp
-    y = _to_natural(y, 2, n, cfg.load_balance, inverse=True, documents=cfg.documents)
-    x = _AllToAll.apply(y.view(b, hl, n, s // n, d).movedim(2, 0), cfg.mesh)
-    return x.movedim(0, 1).reshape(b, hl * n, s // n, d)
+    y = _to_natural(y, 2, cfg.cp, cfg.load_balance, inverse=True, documents=cfg.documents)
+    return _tokens_from_all(y, cfg.mesh)
+
+
+def _usp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    names = mesh.mesh_dim_names
+    return mesh[names[0]], mesh[names[1]]
+
+
+def _usp(q, k, v, mesh: DeviceMesh, *, is_causal, load_balance, scale, overlap):
+    """Ulysses over the mesh's second (inner) dimension, the ring over its first: the
+    all-to-all gives each rank its head group of the ring piece its Ulysses group holds (in
+    order), then those pieces go round the ring."""
+    ring, uly = _usp_meshes(mesh)
+    u, hkv = uly.size(), k.shape[1]
+    nch = len(plan.local_chunks(ring.size(), ring.get_local_rank(), load_balance))
+    if hkv % u:  # fewer key/value heads than Ulysses ranks: replicate them
+        k, v = k.repeat_interleave(u // hkv, dim=1), v.repeat_interleave(u // hkv, dim=1)
+
+    def to_piece(t):  # (source, chunk) -> (chunk, source): the ring piece in global order
+        b, h, s, d = t.shape
+        return t.view(b, h, u, nch, s // (u * nch), d).transpose(2, 3).reshape(b, h, s, d)
+
+    def from_piece(t):
+        b, h, s, d = t.shape
+        return t.view(b, h, nch, u, s // (u * nch), d).transpose(2, 3).reshape(b, h, s, d)
+
+    qh, kh, vh = (to_piece(_heads_from_all(t, uly)) for t in (q, k, v))
+    o = context_parallel_attention(
+        qh,
+        kh,
+        vh,
+        ring,
+        is_causal=is_causal,
+        method="ring",
+        load_balance=load_balance,
+        scale=scale,
+        enable_gqa=kh.shape[1] != qh.shape[1],
+        overlap=overlap,
+    )
+    return _tokens_from_all(from_piece(o), uly)
 
 
 def _ulysses(q, k, v, cfg: _Config):
@@ -743,6 +840,10 @@ def context_parallel_attention(
         )
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
     fn = "context_parallel_attention"
+    if method == "usp":
+        return _usp_entry(
+            q, k, v, mesh, is_causal, load_balance, scale, enable_gqa, overlap, document_lengths
+        )
     _check_mesh(mesh, fn)
     if overlap and method != "ring":
         raise ContextParallelError(
@@ -815,6 +916,40 @@ def context_parallel_attention(
         if method == "ulysses":
             return _ulysses(q, k, v, cfg)
         return _BlockAttention.apply(q, k, v, cfg)
+
+
+def _usp_entry(q, k, v, mesh, is_causal, load_balance, scale, enable_gqa, overlap, documents):
+    fn = "context_parallel_attention(method='usp')"
+    _check_mesh(mesh, fn, usp=True)
+    if documents is not None:
+        raise ContextParallelError(f"{fn}: document_lengths are not supported: use method='ring'")
+    ring, uly = _usp_meshes(mesh)
+    u = uly.size()
+    h, hkv = q.shape[1], k.shape[1]
+    if hkv != h and not enable_gqa:
+        raise ContextParallelError(f"{fn}: {h} query and {hkv} key/value heads need enable_gqa")
+    if h % u:
+        raise ContextParallelError(
+            f"{fn}: the {h} query heads do not split over the {u} Ulysses ranks (the mesh's "
+            "second dimension): use a head count divisible by it"
+        )
+    if hkv % u and u % hkv:
+        raise ContextParallelError(
+            f"{fn}: the {hkv} key/value heads must divide by the {u} Ulysses ranks, or they "
+            "by them (replicated)"
+        )
+    _usp_layout(mesh, q.shape[2] * mesh.size(), load_balance, fn)  # the length check
+    with _inside():
+        return _usp(
+            q,
+            k,
+            v,
+            mesh,
+            is_causal=is_causal,
+            load_balance=load_balance,
+            scale=scale,
+            overlap=overlap,
+        )
 
 
 _STATE = threading.local()  # per thread: inside context_parallel_attention (no model state)
@@ -926,7 +1061,11 @@ class ContextParallel(ParallelStyle):
         self.method, self.load_balance = method, bool(load_balance)
 
     def validate(self, module: nn.Module, device_mesh: DeviceMesh, path: str) -> None:
-        _check_mesh(device_mesh, f"{type(self).__name__} on {path or type(module).__name__}")
+        _check_mesh(
+            device_mesh,
+            f"{type(self).__name__} on {path or type(module).__name__}",
+            usp=self.method == "usp",
+        )
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.validate(module, device_mesh, "")

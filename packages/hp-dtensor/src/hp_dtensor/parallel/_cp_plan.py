@@ -27,6 +27,7 @@ __all__ = [
     "natural_order",
     "num_chunks",
     "positions",
+    "usp_positions",
 ]
 
 
@@ -131,3 +132,18 @@ def document_layout(doc_lengths: list[int], cp: int) -> list[list[tuple[int, int
                     spans.append((start, start + size))
                 start += size
     return out
+
+
+def usp_positions(
+    seq_len: int, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int, load_balance: bool
+) -> list[int]:
+    """The global positions of the tokens a rank of a (ring, Ulysses) mesh holds: its ring
+    rank's chunks (laid out as :func:`positions` for ``ring`` ranks), each cut into
+    ``ulysses`` equal parts, of which it holds part ``ulysses_rank``."""
+    c = seq_len // num_chunks(ring, load_balance)
+    part = c // ulysses
+    return [
+        i
+        for ch in local_chunks(ring, ring_rank, load_balance)
+        for i in range(ch * c + ulysses_rank * part, ch * c + (ulysses_rank + 1) * part)
+    ]
