@@ -20,6 +20,7 @@ from hp_dtensor.parallel import (
     AsyncContextParallel,
     ContextParallel,
     context_parallel_attention,
+    context_parallel_loss,
     context_parallel_shard,
     context_parallel_unshard,
     parallelize_module,
@@ -347,6 +348,23 @@ def _shard_and_errors():
     assert odd[0].stride(-1) != 1
     got = context_parallel_unshard(context_parallel_attention(*odd, mesh), mesh, 2)
     r["strided_inputs"] = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    # a loss over sequence shards that count different numbers of tokens
+    logits = torch.randn(2, 8, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 8), generator=g)
+    labels[0, :5] = -100  # ignored: rank 0's head chunk and more
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    local = context_parallel_shard(logits, mesh, 1)
+    lab = context_parallel_shard(labels, mesh, 1)
+    summed = F.cross_entropy(local.flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="sum")
+    share = context_parallel_loss(summed, (lab != -100).sum(), mesh)
+    share.backward()
+    value = share.detach().clone()
+    dist.all_reduce(value)
+    grad = logits.grad.clone()
+    dist.all_reduce(grad)
+    r["loss_value"] = torch.allclose(value / 2, want, rtol=1e-12)
+    r["loss_grad"] = torch.allclose(grad / 2, want_grad, rtol=1e-10, atol=1e-14)
     q = torch.randn(1, 4, 3, 8)
     errors = {
         "seq": lambda: context_parallel_attention(q, q, q, mesh),  # 6 not divisible by 4

@@ -15,6 +15,7 @@ from ._context import (
     AsyncContextParallel,
     ContextParallel,
     context_parallel_attention,
+    context_parallel_loss,
     context_parallel_shard,
     context_parallel_unshard,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "context_parallel_attention",
+    "context_parallel_loss",
     "context_parallel_shard",
     "context_parallel_unshard",
     "loss_parallel",

@@ -52,6 +52,7 @@ __all__ = [
     "AsyncContextParallel",
     "ContextParallel",
     "context_parallel_attention",
+    "context_parallel_loss",
     "context_parallel_shard",
     "context_parallel_unshard",
 ]
@@ -963,6 +964,23 @@ def _inside():
         yield
     finally:
         _STATE.depth = depth
+
+
+# -- losses ---------------------------------------------------------------------------------------
+def context_parallel_loss(loss_sum: torch.Tensor, count, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole sequence's mean token loss, as this rank's share, when the ranks of ``mesh``
+    hold parts of the same sequences and count different numbers of tokens (ignored labels,
+    padding): ``loss_sum`` (this rank's summed token losses) x ``cp`` / the tokens counted
+    over all ranks (``count`` summed over ``mesh``; no gradient). The mean of the ranks'
+    values is the mean over every counted token, and averaging the gradients over the ranks
+    (as data-parallel training, FSDP over ``dp_shard x cp``, does) gives its gradient. A
+    collective over ``mesh``."""
+    _check_mesh(mesh, "context_parallel_loss")
+    total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).reshape(1).clone()
+    get_platform(mesh.device_type).all_reduce(total, "sum", mesh.get_group())
+    if total.item() == 0:
+        return loss_sum * 0.0
+    return loss_sum * (mesh.size() / total.to(loss_sum.dtype))
 
 
 # -- styles ---------------------------------------------------------------------------------------
