@@ -231,7 +231,8 @@ def set_load_balance_group(
     averaged over exactly this group (as data-parallel training does); each rank's
     ``aux_loss_total`` is its share, and their mean the one-process value.
     ``sequence_group``: the context-parallel group whose ranks hold parts of the same sequences
-    (``aux_loss_type="sequence"``; same averaging)."""
+    (``aux_loss_type="sequence"`` and ``"batch"``, whose statistics then cover the whole
+    sequences; same averaging)."""
     for m in _moe_modules(model):
         groups = BalanceGroups()  # a fresh holder: a deep-copied model shares the old one
         groups.balance = group

@@ -116,6 +116,7 @@ class ParallelDims:
         stages_per_rank: int = 1,
         mtp_layers: int = 0,
         cp_load_balance: bool = True,
+        conv_kernel: int | None = None,
     ) -> None:
         """Raise one :class:`ConfigError` listing every way the model, batch or sequence does not
         fit these degrees."""
@@ -172,6 +173,14 @@ class ParallelDims:
         if seq_len is not None and self.cp > 1 and seq_len % chunks:
             how = f"2 x {KEYS['cp']}" if cp_load_balance else KEYS["cp"]
             problems.append(f"training.seq_len={seq_len} must be divisible by {how} = {chunks}")
+        if conv_kernel and linear_heads is not None and self.cp > 1 and seq_len is not None:
+            piece = seq_len // chunks
+            if piece < conv_kernel - 1:
+                problems.append(
+                    f"{KEYS['cp']}={self.cp}: each rank's pieces of the sequence are {piece} "
+                    f"tokens, shorter than the linear attention's {conv_kernel - 1}-token "
+                    "convolution halo: use longer sequences or a lower degree"
+                )
         if mtp_layers and self.cp > 1:
             problems.append(
                 f"{KEYS['cp']}={self.cp}: multi-token prediction shifts whole sequences, which "

@@ -189,39 +189,77 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+class _CPBinding:
+    """A module's context-parallel setup (the cp mesh, the sequence length, load balancing):
+    configuration, shared (not copied) by a deep copy of the module."""
+
+    def __init__(self, mesh, seq_len: int, load_balance: bool) -> None:
+        self.mesh, self.seq_len, self.load_balance = mesh, seq_len, load_balance
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def apply_context_parallel(
     model: nn.Module, cp_mesh, *, seq_len: int, method: str = "ring", load_balance: bool = True
 ) -> None:
-    """Context parallelism over ``cp_mesh``: each block's attention runs its
-    ``scaled_dot_product_attention`` as ``hp_dtensor.parallel.context_parallel_attention``
-    (``ContextParallel``); Qwen3.5's Gated DeltaNet blocks get convolution halos from the
-    previous chunk's rank and the delta rule's state passed between ranks
-    (``_cp_delta_rule``); and the rotary tables become this rank's positions of a
-    ``seq_len``-long sequence, laid out as ``context_parallel_shard`` lays out the tokens (the
-    model code, which reads the first ``s`` rows of its tables, is unchanged). Inputs and
-    targets must then be ``context_parallel_shard``-ed along the sequence too."""
-    from hp_dtensor.parallel import ContextParallel, context_parallel_shard, parallelize_module
+    """Context parallelism over ``cp_mesh`` for sequences of ``seq_len`` tokens: each block's
+    attention runs its ``scaled_dot_product_attention`` as
+    ``hp_dtensor.parallel.context_parallel_attention`` (``ContextParallel``, ``method``); Qwen3.5's
+    Gated DeltaNet blocks get convolution halos from the previous chunk's rank and the delta
+    rule's state passed between ranks (``_cp_delta_rule``: the state maps are all-gathered
+    whatever ``method``); and the rotary tables become this rank's positions, laid out as
+    ``context_parallel_shard`` lays out the tokens (the model code, which reads the first ``s``
+    rows of its tables, is unchanged; a forward pre-hook checks that each batch is this long
+    and re-shards tables that ``init_buffers`` rebuilt). Inputs and targets must then be
+    ``context_parallel_shard``-ed along the sequence too. Applying it twice is refused."""
+    from hp_dtensor.parallel import ContextParallel, parallelize_module
 
     from .models import Transformer
 
+    if getattr(model, "_hp_cp", None) is not None:
+        raise ValueError("apply_context_parallel: the model is context-parallel already")
+    binding = _CPBinding(cp_mesh, seq_len, load_balance)
     style = ContextParallel(method=method, load_balance=load_balance)
     for block in _blocks(model):
         gdn = getattr(block, "linear_attention", None)
         if gdn is not None:  # Qwen3.5's Gated DeltaNet: halos and state passing
             for conv in (gdn.conv_q, gdn.conv_k, gdn.conv_v):
-                _conv_with_halo(conv, cp_mesh, load_balance)
-            gdn.delta_rule = functools.partial(
-                _cp_delta_rule, mesh=cp_mesh, load_balance=load_balance
-            )
+                conv._hp_cp = binding
+                conv.register_forward_pre_hook(_halo_in)
+                conv.register_forward_hook(_halo_out)
+            gdn.delta_rule = functools.partial(_cp_delta_rule, cp=binding)
             continue
         parallelize_module(block.attention, cp_mesh, style)
     for m in model.modules():
         if isinstance(m, Transformer):
-            for name in ("rope_cos", "rope_sin"):
-                table = getattr(m, name)[:, :seq_len]
-                setattr(
-                    m, name, context_parallel_shard(table, cp_mesh, 1, load_balance=load_balance)
-                )
+            m._hp_cp = binding
+            _shard_rotary(m, binding)
+            m.register_forward_pre_hook(_check_cp_length)
+
+
+def _shard_rotary(model: nn.Module, b: _CPBinding) -> None:
+    """The model's rotary tables: this rank's positions of a ``b.seq_len``-long sequence."""
+    from hp_dtensor.parallel import context_parallel_shard
+
+    for name in ("rope_cos", "rope_sin"):
+        table = getattr(model, name)[:, : b.seq_len]
+        setattr(model, name, context_parallel_shard(table, b.mesh, 1, load_balance=b.load_balance))
+
+
+def _check_cp_length(model: nn.Module, args) -> None:
+    b = model._hp_cp
+    local = b.seq_len // b.mesh.size()
+    if model.rope_cos.shape[1] != local:  # rebuilt whole (init_buffers after to_empty)
+        model.init_buffers()
+        _shard_rotary(model, b)
+    s = args[0].shape[1]
+    if s != local:
+        raise ValueError(
+            f"context parallelism was set up for sequences of {b.seq_len} tokens ({local} per "
+            f"rank); this batch has {s} per rank: give ParallelizeConfig(seq_len=) the "
+            "training sequence length, or shard sequences of that length"
+        )
 
 
 def _gather_pieces(t: torch.Tensor, mesh) -> torch.Tensor:
@@ -251,66 +289,80 @@ def _segments(seq: int, mesh, load_balance: bool) -> tuple[tuple[int, ...], int,
     return ids, seq // len(ids), plan.natural_order(cp, load_balance)
 
 
-def _conv_with_halo(conv: nn.Module, mesh, load_balance: bool) -> None:
-    """A causal depthwise convolution (``ShortConv``) under context parallelism: each local
-    chunk is prefixed with the last ``kernel - 1`` inputs of the chunk before it in the whole
-    sequence (all-gathered: a few tokens per chunk), and the prefix's outputs dropped."""
-    inner = conv.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        halo = conv.weight.shape[-1] - 1
-        ids, length, order = _segments(x.shape[1], mesh, load_balance)
-        if halo == 0:
-            return inner(x)
-        if length < halo:
-            raise ValueError(
-                f"context parallelism: chunks of {length} tokens are shorter than the "
-                f"convolution's {halo}-token halo: use longer sequences or a lower degree"
-            )
-        tails = torch.stack(
-            [x[:, (i + 1) * length - halo : (i + 1) * length] for i in range(len(ids))]
+def _halo_in(conv: nn.Module, args):
+    """Before a causal depthwise convolution (``ShortConv``) under context parallelism: each
+    local chunk prefixed with the last ``kernel - 1`` inputs of the chunk before it in the
+    whole sequence (all-gathered: a few tokens per chunk; zeros before the first), so one
+    call over ``[halo, chunk, halo, chunk]`` computes every chunk as the whole sequence
+    would."""
+    (x,) = args
+    b = conv._hp_cp
+    halo = conv.weight.shape[-1] - 1
+    ids, length, order = _segments(x.shape[1], b.mesh, b.load_balance)
+    if halo == 0:
+        return None
+    if length < halo:
+        raise ValueError(
+            f"context parallelism: chunks of {length} tokens are shorter than the "
+            f"convolution's {halo}-token halo: use longer sequences or a lower degree"
         )
-        every = _gather_pieces(tails, mesh).flatten(0, 1)
-        outs = []
-        for i, ch in enumerate(ids):
-            seg = x[:, i * length : (i + 1) * length]
-            if ch == 0:
-                outs.append(inner(seg))
-            else:
-                outs.append(inner(torch.cat([every[order[ch - 1]], seg], 1))[:, halo:])
-        return _with_grad_of(torch.cat(outs, 1), every)
+    tails = torch.stack([x[:, (i + 1) * length - halo : (i + 1) * length] for i in range(len(ids))])
+    every = _gather_pieces(tails, b.mesh).flatten(0, 1)
+    pieces = []
+    for i, ch in enumerate(ids):
+        prev = every[order[ch - 1]] if ch > 0 else torch.zeros_like(every[0])
+        pieces += [
+            _with_grad_of(prev, every) if ch == 0 else prev,
+            x[:, i * length : (i + 1) * length],
+        ]
+    return (torch.cat(pieces, 1),)
 
-    conv.forward = forward
+
+def _halo_out(conv: nn.Module, args, y: torch.Tensor) -> torch.Tensor:
+    """After the convolution: the halos' outputs dropped."""
+    halo = conv.weight.shape[-1] - 1
+    if halo == 0:
+        return y
+    from hp_dtensor.parallel import _cp_plan as plan
+
+    b = conv._hp_cp
+    n = len(plan.local_chunks(b.mesh.size(), b.mesh.get_local_rank(), b.load_balance))
+    length = y.shape[1] // n - halo
+    return torch.cat(
+        [y[:, i * (length + halo) + halo : (i + 1) * (length + halo)] for i in range(n)], 1
+    )
 
 
-def _cp_delta_rule(q, k, v, g, beta, *, chunk: int, mesh, load_balance: bool):
+def _cp_delta_rule(q, k, v, g, beta, *, chunk: int, cp: _CPBinding):
     """The gated delta rule under context parallelism. The recurrence is affine in its state,
     so each rank first computes, from a zero state, the state map ``S -> M S + N`` of each of
     its chunks; the maps are all-gathered and composed in sequence order, which gives every
-    chunk its true initial state; then each chunk runs from it. Differentiable end to end
-    (a chunk's map gets the gradients of every later chunk's initial state)."""
-    from .models._qwen3_5 import chunk_gated_delta_rule, gated_delta_rule_transition
+    chunk its true initial state; then each chunk runs from it. The chunk-level pieces (the
+    triangular solves) are computed once for both passes, and a rank's chunks run side by side
+    (stacked along the batch). Differentiable end to end (a chunk's map gets the gradients of
+    every later chunk's initial state)."""
+    from .models._qwen3_5 import _chunked, delta_rule_outputs, delta_rule_transition
 
-    ids, length, order = _segments(q.shape[1], mesh, load_balance)
-    parts = [slice(i * length, (i + 1) * length) for i in range(len(ids))]
-    maps = [
-        gated_delta_rule_transition(k[:, p], v[:, p], g[:, p], beta[:, p], chunk=chunk)
-        for p in parts
-    ]
-    ms = _gather_pieces(torch.stack([m for m, _ in maps]), mesh).flatten(0, 1)
-    ns = _gather_pieces(torch.stack([n for _, n in maps]), mesh).flatten(0, 1)
+    mesh = cp.mesh
+    ids, length, order = _segments(q.shape[1], mesh, cp.load_balance)
+    n, bsz = len(ids), q.shape[0]
+
+    def stacked(t):  # [b, n * length, ...] -> [n * b, length, ...]
+        return torch.cat([t[:, i * length : (i + 1) * length] for i in range(n)], 0)
+
+    parts = _chunked(*(stacked(t) for t in (q, k, v, g, beta)), chunk)
+    m, nn_ = delta_rule_transition(parts)  # [n * b, h, dk, dk], [n * b, h, dk, dv]
+    ms = _gather_pieces(m.unflatten(0, (n, bsz)), mesh).flatten(0, 1)
+    ns = _gather_pieces(nn_.unflatten(0, (n, bsz)), mesh).flatten(0, 1)
     state = torch.zeros_like(ns[0])
     starts = {}
     for ch in range(max(ids) + 1):  # the whole sequence's chunks in order, up to ours
         starts[ch] = state
         state = ms[order[ch]] @ state + ns[order[ch]]
-    outs = [
-        chunk_gated_delta_rule(
-            q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], chunk=chunk, initial_state=starts[ch]
-        )
-        for p, ch in zip(parts, ids)
-    ]
-    return _with_grad_of(torch.cat(outs, 1), ms, ns)
+    init = torch.cat([starts[ch] for ch in ids], 0)
+    out = delta_rule_outputs(parts, init, length, v.dtype)  # [n * b, length, h, dv]
+    out = torch.cat(out.split(bsz, 0), 1)
+    return _with_grad_of(out, ms, ns)
 
 
 def _expert_parallel(model: nn.Module, parallel_dims: ParallelDims, mesh, expert_mesh) -> list:

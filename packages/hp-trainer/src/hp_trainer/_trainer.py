@@ -126,6 +126,7 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         stages_per_rank=SCHEDULES.get(p.pipeline_schedule, 1) if pd.pp > 1 else 1,
         mtp_layers=mc.mtp_layers,
         cp_load_balance=p.context_parallel_load_balance,
+        conv_kernel=mc.linear_conv_kernel if mc.architecture == "qwen3_5" else None,
     )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:

@@ -234,7 +234,8 @@ def _cp_moe(dump, aux_type, extra):
             *extra,
         ],
     )
-    return LLMTrainer(cfg).train()
+    trainer = LLMTrainer(cfg)
+    return trainer.train(), trainer.moe_statistics()
 
 
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree"]
@@ -259,5 +260,9 @@ def test_moe_under_context_parallelism(pool, tmp_path, aux_type):
         )[0]
     else:
         ref = _cp_moe(str(tmp_path / "one"), aux_type, ONE)
-    for got in pool.run(_cp_moe, str(tmp_path / "cp"), aux_type, [*CP2, "2"]):
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
+    for got, stats in pool.run(_cp_moe, str(tmp_path / "cp"), aux_type, [*CP2, "2"]):
+        torch.testing.assert_close(got, ref[0], rtol=1e-4, atol=0)
+        # the last step's statistics: routed tokens and the balance loss itself
+        for mine, theirs in zip(stats, ref[1]):
+            assert mine["tokens"] == theirs["tokens"]
+            assert mine["aux_loss"] == pytest.approx(theirs["aux_loss"], rel=1e-4)

@@ -176,6 +176,9 @@ def _cp_run(name, dims=None, lb=True, method="ring", steps=5):
     torch.manual_seed(0)
     base, overrides = VARIANTS.get(name, (name, {}))
     model = Transformer(get_config(base, max_seq_len=CP_S, **overrides)).double()
+    for m in model.modules():
+        if hasattr(m, "delta_rule"):
+            m.chunk = 4  # each rank's pieces span several recurrence chunks
     cp_mesh = None
     if dims is not None:
         pd = ParallelDims(**dims, world_size=dist.get_world_size())
@@ -212,9 +215,18 @@ def _cp_run(name, dims=None, lb=True, method="ring", steps=5):
         ("qwen3.5-tiny", {"cp": 2, "dp_shard": 2}, True, "ring"),  # Gated DeltaNet + gated attn
         ("qwen3.5-tiny", {"cp": 4, "dp_shard": 1}, True, "allgather"),
         ("qwen3.5-tiny", {"cp": 2, "tp": 2, "dp_shard": 1}, False, "ring"),
+        ("qwen3.5-tiny", {"cp": 2, "tp": 2, "dp_shard": 1}, True, "ulysses"),
         ("llama3-tiny", {"cp": 4, "dp_shard": 1}, True, "ring"),
+        ("deepseek-v3-tiny-no-q-lora", {"cp": 2, "dp_shard": 2}, True, "ring"),  # MLA, MoE
     ],
-    ids=["qwen3.5-cp2xfsdp2", "qwen3.5-cp4", "qwen3.5-cp2xtp2-no-lb", "llama-cp4"],
+    ids=[
+        "qwen3.5-cp2xfsdp2",
+        "qwen3.5-cp4",
+        "qwen3.5-cp2xtp2-no-lb",
+        "qwen3.5-cp2xtp2-ulysses",
+        "llama-cp4",
+        "deepseek-mla-cp2xfsdp2",
+    ],
 )
 def test_context_parallel_equals_one_process(pool, name, dims, lb, method):
     """Float64, 5 AdamW steps: the losses and the first step's every gradient against one
@@ -224,6 +236,46 @@ def test_context_parallel_equals_one_process(pool, name, dims, lb, method):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0)
         for k, g in ref_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-8, atol=1e-12, msg=k)
+
+
+def _cp_guards():
+    """Under CP the rotary tables follow the layout even after init_buffers rebuilt them
+    whole; a batch of another length, and a second application, are refused."""
+    from hp_dtensor.parallel import context_parallel_shard
+    from hp_trainer import apply_context_parallel
+
+    pd = ParallelDims(cp=2, dp_shard=2, world_size=4)
+    mesh = pd.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = parallelize_llama(
+        Transformer(get_config("llama3-tiny", max_seq_len=CP_S)),
+        parallel_dims=pd,
+        mesh=mesh,
+        config=ParallelizeConfig(seq_len=CP_S),
+    )
+    x, _ = _cp_batch(0)
+    xl = context_parallel_shard(x, mesh["cp"], 1)
+    with torch.no_grad():
+        before = model(xl)
+        model.init_buffers()  # whole tables again: re-sharded at the next forward
+        after = model(xl)
+    out = {"rebuilt": torch.equal(before, after)}
+    try:
+        model(xl[:, :8])
+        out["length"] = False
+    except ValueError as e:
+        out["length"] = "set up for sequences of 32 tokens (16 per rank)" in str(e)
+    try:
+        apply_context_parallel(model, mesh["cp"], seq_len=CP_S)
+        out["twice"] = False
+    except ValueError as e:
+        out["twice"] = "context-parallel already" in str(e)
+    return out
+
+
+def test_context_parallel_guards(pool):
+    for res in pool.run(_cp_guards):
+        assert all(res.values()), res
 
 
 def _with_kernels(name, dims, sp):

@@ -1,6 +1,7 @@
 """LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x FSDP 2 (1F1B, activation
 checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2 ring, CP 2 x TP 2
-all-gather, CP 4 Ulysses, PP 2 x CP 2) give the one-process losses (within 1e-4) with
+all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP) give the one-process
+losses (within 1e-4) with
 accumulation, clipping and the LR schedule in the loop; a run killed after a checkpoint
 resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
 
@@ -59,8 +60,8 @@ PAR = {
     "--parallelism.pipeline_microbatches 4 --training.local_batch_size 0",
     # context parallelism: ring under FSDP over dp_shard x cp, all-gather under TP, Ulysses
     # over 4 ranks (2 key/value heads replicated to 4), and under a pipeline
-    "cp2xfsdp2-ring": "--parallelism.context_parallel_degree 2 "
-    "--parallelism.data_parallel_shard_degree 2",
+    "cp2xfsdp2-ring-ac": "--parallelism.context_parallel_degree 2 "
+    "--parallelism.data_parallel_shard_degree 2 --activation_checkpoint.mode full",
     "cp2xtp2-allgather": "--parallelism.context_parallel_degree 2 "
     "--parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 "
     "--parallelism.context_parallel_method allgather",

@@ -114,22 +114,25 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64, initial_state=N
     state before the first token; zeros by default). Returns ``[b, s, h, dv]`` in ``v``'s
     dtype. Computed in float32 (float64 inputs stay float64).
     """
-    out_dtype = v.dtype
-    b, s, h, dk = k.shape
-    c = _chunked(q, k, v, g, beta, chunk)
-    u, w, q_dec, attn = c["u"], c["w"], c["q_dec"], c["attn"]
-    k_dec, chunk_decay = c["k_dec"], c["chunk_decay"]
-    if initial_state is None:
-        state = u.new_zeros(b, h, dk, v.shape[-1])
-    else:
-        state = _f32(initial_state)
+    parts = _chunked(q, k, v, g, beta, chunk)
+    return delta_rule_outputs(parts, initial_state, k.shape[1], v.dtype)
+
+
+def delta_rule_outputs(parts: dict, initial_state, seq: int, dtype) -> torch.Tensor:
+    """The outputs ``[b, s, h, dv]`` from :func:`_chunked`'s pieces and an initial state
+    (None: zeros)."""
+    u, w, q_dec, attn = parts["u"], parts["w"], parts["q_dec"], parts["attn"]
+    k_dec, chunk_decay = parts["k_dec"], parts["chunk_decay"]
+    b, h, n, chunk, dv = u.shape
+    dk = w.shape[-1]
+    state = u.new_zeros(b, h, dk, dv) if initial_state is None else _f32(initial_state)
     out = torch.empty_like(u)
-    for i in range(c["n"]):
+    for i in range(n):
         corrected = u[:, :, i] - w[:, :, i] @ state  # new values minus what the state predicts
         out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ corrected
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ corrected
-    out = out.reshape(b, h, c["n"] * chunk, -1)[:, :, :s]
-    return out.transpose(1, 2).to(out_dtype)
+    out = out.reshape(b, h, n * chunk, -1)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype)
 
 
 def gated_delta_rule_transition(k, v, g, beta, *, chunk: int = 64):
@@ -138,13 +141,18 @@ def gated_delta_rule_transition(k, v, g, beta, *, chunk: int = 64):
     ``[b, h, dk, dk]`` and ``[b, h, dk, dv]`` (float32; float64 for float64 inputs); shapes
     as in :func:`chunk_gated_delta_rule`. Context parallelism composes these over the ranks'
     stretches to give each rank its true initial state."""
-    b, s, h, dk = k.shape
-    c = _chunked(None, k, v, g, beta, chunk)
-    u, w, k_dec, chunk_decay = c["u"], c["w"], c["k_dec"], c["chunk_decay"]
+    return delta_rule_transition(_chunked(None, k, v, g, beta, chunk))
+
+
+def delta_rule_transition(parts: dict):
+    """``(M, N)`` of :func:`gated_delta_rule_transition` from :func:`_chunked`'s pieces."""
+    u, w, k_dec, chunk_decay = parts["u"], parts["w"], parts["k_dec"], parts["chunk_decay"]
+    b, h, n, _, dv = u.shape
+    dk = w.shape[-1]
     eye = torch.eye(dk, device=u.device, dtype=u.dtype)
     m = eye.expand(b, h, dk, dk)
-    nn_ = u.new_zeros(b, h, dk, v.shape[-1])
-    for i in range(c["n"]):
+    nn_ = u.new_zeros(b, h, dk, dv)
+    for i in range(n):
         # one chunk: S' = (decay I - k_dec^T w) S + k_dec^T u
         kt = k_dec[:, :, i].transpose(-1, -2)
         step = chunk_decay[:, :, i] * eye - kt @ w[:, :, i]
