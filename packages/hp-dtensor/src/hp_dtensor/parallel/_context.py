@@ -190,6 +190,15 @@ def _gather_seq(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def _inverse(layout: list[int]) -> list[int]:
+    """For the ranks' layout (the global position of each laid-out token), the laid-out index
+    of each global position."""
+    order = [0] * len(layout)
+    for j, i in enumerate(layout):
+        order[i] = j
+    return order
+
+
 def _to_natural(
     x: torch.Tensor, dim: int, cp: int, load_balance: bool, inverse=False, documents=None
 ):
@@ -197,12 +206,8 @@ def _to_natural(
     0's first) and the global order (``inverse``: global -> layout)."""
     if documents is not None and load_balance:
         layout = [i for pos in _positions(cp, True, x.shape[dim], documents) for i in pos]
-        if not inverse:
-            order = [0] * len(layout)
-            for j, i in enumerate(layout):
-                order[i] = j
-            layout = order
-        return x.index_select(dim, torch.tensor(layout, device=x.device))
+        order = layout if inverse else _inverse(layout)
+        return x.index_select(dim, torch.tensor(order, device=x.device))
     n = plan.num_chunks(cp, load_balance)
     if n == cp:  # one chunk per rank: the layout is the global order
         return x
@@ -224,9 +229,7 @@ class _Unshard(torch.autograd.Function):
             layout = [
                 i for pos in _usp_layout(mesh, whole.shape[dim], load_balance, "") for i in pos
             ]
-            order = [0] * len(layout)
-            for j, i in enumerate(layout):
-                order[i] = j
+            order = _inverse(layout)
             return whole.index_select(dim, torch.tensor(order, device=x.device))
         whole = _gather_seq(x, mesh, dim)
         return _to_natural(whole, dim, mesh.size(), load_balance, documents=documents)
