@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import pickle
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from hp_dtensor import DTensor
 
+from ._codec import CodecError, encode
 from ._flatten import flatten
 from ._meta import Chunk, Metadata, ObjectEntry, StoredObject, TensorEntry
 from ._plan import ReadItem, SavePlanner, WriteItem, plan_reads
@@ -121,11 +121,9 @@ def _describe(leaves) -> tuple[list[WriteItem], dict]:
             data[it.box] = local
         else:
             try:
-                blob = pickle.dumps(v, protocol=5)
-            except Exception as e:
-                raise StateDictError(
-                    f"state_dict key {key!r}: a {type(v).__name__} that cannot be pickled ({e})"
-                ) from e
+                blob = encode(v)  # data, never code: loading cannot run anything
+            except CodecError as e:
+                raise StateDictError(f"state_dict key {key!r}: {e}") from None
             it = WriteItem(key, "object", len(blob), digest=zlib.crc32(blob))
             data[it.box] = blob
         items.append(it)
@@ -293,8 +291,12 @@ def load(
     process_group=None,
     planner: LoadPlanner | None = None,
     storage_reader=None,
+    allow_pickle: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, in whatever sharding its tensors have.
+    Values are read as data (never code); ``allow_pickle=True`` also reads the pickled values
+    of checkpoints written before hp-dcp stored them as data, with a warning: only for
+    checkpoints you trust, since unpickling can run code.
 
     ``checkpoint_id`` may be an hp_dcp folder, a PyTorch DCP folder, or HuggingFace safetensors
     (a file or a folder of shards). Each rank reads only the pieces it needs. Raises
@@ -346,7 +348,7 @@ def load(
                 )
                 reader.read_into(key, entry, item, local[idx] if idx else local)
         for leaf, key, stored in objects:
-            leaf.set(reader.read_object(key, stored))
+            leaf.set(reader.read_object(key, stored, allow_pickle=allow_pickle))
     for obj, sd in statefuls:
         obj.load_state_dict(sd)
 

@@ -45,6 +45,7 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--name-map", help="JSON file: {regex: new name or null to drop}")
     p.add_argument("--max-shard-size", default="5G", help="hf only, e.g. 2G (default 5G)")
     p.add_argument("--dtype", help="hf only: cast floating tensors, e.g. bfloat16")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE)
     p = sub.add_parser("consolidate", help="every tensor, unsharded, into one .safetensors file")
     p.add_argument("ckpt")
     p.add_argument("out")
@@ -57,9 +58,17 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument(
         "--rule", action="append", default=[], help="PATTERN=PLACEMENTS (fnmatch), repeatable"
     )
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE)
     p = sub.add_parser("verify", help="read every byte and check the checksums")
     p.add_argument("ckpt")
+    p.add_argument("--allow-pickle", action="store_true", help=_PICKLE)
     return ap
+
+
+_PICKLE = (
+    "read the pickled values of an hp-dcp checkpoint written before values were stored as "
+    "data (unpickling can run code: only for a checkpoint you trust)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             kw["max_shard_bytes"] = _size(args.max_shard_size)
             if args.dtype:
                 kw["dtype"] = getattr(torch, args.dtype)
+        if args.to == "dcp":
+            kw["allow_pickle"] = args.allow_pickle
         _convert.convert(
             args.src, args.dst, to=args.to, name_map=_name_map(args.name_map), progress=True, **kw
         )
@@ -95,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             placements=args.placements,
             rules=rules,
             progress=True,
+            allow_pickle=args.allow_pickle,
         )
         print(f"wrote {args.dst}")
     elif args.cmd == "verify":
-        problems = _convert.verify(args.ckpt, progress=True)
+        problems = _convert.verify(args.ckpt, progress=True, allow_pickle=args.allow_pickle)
         for line in problems:
             print(line)
         print(f"{args.ckpt}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

@@ -17,6 +17,7 @@ import torch
 from hp_dtensor import DTensor, Replicate, Shard, local_shape_and_offset
 
 from ._api import _metadata
+from ._codec import encode
 from ._meta import Metadata, TensorEntry, element_size, numel
 from ._plan import SavePlanner, WriteItem, plan_reads
 from ._storage import (
@@ -294,6 +295,7 @@ def _rewrite(
     name_map: NameMap = None,
     progress: bool = False,
     desc: str = "rewrite",
+    allow_pickle: bool = False,
 ) -> Metadata:
     md = reader.metadata
     rename = _renamer(name_map)
@@ -330,9 +332,14 @@ def _rewrite(
         held = {0: o.value} if o.value is not None else o.per_rank
         for r, stored in held.items():
             if r < world:
-                it = WriteItem(new, "object", stored.nbytes, digest=hash((r, len(held))))
+                blob = None
+                if stored.encoding != "json":  # PyTorch DCP's (or old pickles): as data
+                    value = reader.read_object(key, stored, allow_pickle=allow_pickle)
+                    blob = encode(value)
+                nbytes = stored.nbytes if blob is None else len(blob)
+                it = WriteItem(new, "object", nbytes, digest=hash((r, len(held))))
                 items_by_rank[r].append(it)
-                obj_src[(r, new)] = (key, stored)
+                obj_src[(r, new)] = (key, stored, blob)
     plan = SavePlanner().plan(items_by_rank)
     writer = FileSystemWriter(dst)
     writer.prepare()
@@ -344,12 +351,11 @@ def _rewrite(
                 src = source_of[it.key]
                 t = _box(reader, src, md.tensors[src], it.offsets, it.sizes)
             else:
-                key, stored = obj_src[(rank, it.key)]
-                t = bytes(reader.read_bytes(stored.file, stored.offset, stored.nbytes))
-                if stored.encoding != "pickle":  # torch DCP objects: re-pickle
-                    import pickle
-
-                    t = pickle.dumps(reader.read_object(key, stored), protocol=5)
+                key, stored, blob = obj_src[(rank, it.key)]
+                if blob is None:
+                    t = bytes(reader.read_bytes(stored.file, stored.offset, stored.nbytes))
+                else:
+                    t = blob
             bar.update(it.nbytes)
             yield it, t
 
@@ -374,17 +380,34 @@ def import_hf(src, dst, *, name_map: NameMap = None, progress: bool = False) -> 
         return _rewrite(reader, dst, name_map=name_map, progress=progress, desc="import")
 
 
-def convert(src, dst, *, to: str, name_map: NameMap = None, progress: bool = False, **kwargs):
+def convert(
+    src,
+    dst,
+    *,
+    to: str,
+    name_map: NameMap = None,
+    progress: bool = False,
+    allow_pickle: bool = False,
+    **kwargs,
+):
     """Convert checkpoint ``src`` (hp_dcp, PyTorch DCP or safetensors) into ``dst``:
     ``to="hf"`` (safetensors shards + index; see :func:`export_hf` for ``kwargs``) or
-    ``to="dcp"`` (an hp_dcp checkpoint written by one process)."""
+    ``to="dcp"`` (an hp_dcp checkpoint written by one process, its values stored as data;
+    ``allow_pickle`` reads an old checkpoint's pickled values, only for one you trust)."""
     if to == "hf":
         return export_hf(src, dst, name_map=name_map, progress=progress, **kwargs)
     if to == "dcp":
         if kwargs:
             raise TypeError(f"convert(to='dcp') takes no {sorted(kwargs)}")
         with open_checkpoint(src) as reader:
-            return _rewrite(reader, dst, name_map=name_map, progress=progress, desc="convert")
+            return _rewrite(
+                reader,
+                dst,
+                name_map=name_map,
+                progress=progress,
+                desc="convert",
+                allow_pickle=allow_pickle,
+            )
     raise ValueError(f"to={to!r}: use 'hf' or 'dcp'")
 
 
@@ -396,6 +419,7 @@ def reshard(
     placements: str = "S(0)",
     rules: Mapping[str, str] | None = None,
     progress: bool = False,
+    allow_pickle: bool = False,
 ) -> Metadata:
     """Rewrite checkpoint ``src`` offline into ``dst`` laid out as a job with ``mesh_shape``
     would save it: each tensor gets the placements of the first ``rules`` pattern (fnmatch on
@@ -411,12 +435,15 @@ def reshard(
             default=placements,
             progress=progress,
             desc="reshard",
+            allow_pickle=allow_pickle,
         )
 
 
-def verify(src, *, progress: bool = False) -> list[str]:
-    """Read every stored byte of ``src`` and check it against its checksum. Returns one line
-    per problem (empty when the checkpoint is sound): the file, byte range and key."""
+def verify(src, *, progress: bool = False, allow_pickle: bool = False) -> list[str]:
+    """Read every stored byte of ``src`` and check it against its checksum, and every value as
+    data (a pickled one is a problem unless ``allow_pickle``, for a checkpoint you trust).
+    Returns one line per problem (empty when the checkpoint is sound): the file, byte range
+    and key."""
     problems = []
     with open_checkpoint(src) as reader:
         md = reader.metadata
@@ -433,7 +460,7 @@ def verify(src, *, progress: bool = False) -> list[str]:
             for key, o in md.objects.items():
                 for stored in [o.value] if o.value is not None else list(o.per_rank.values()):
                     try:
-                        reader.read_object(key, stored)
+                        reader.read_object(key, stored, allow_pickle=allow_pickle)
                     except CorruptCheckpointError as err:
                         problems.append(str(err))
                     except Exception as err:  # noqa: BLE001 - reported, not raised
@@ -463,7 +490,9 @@ def inspect(src) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for key, o in md.objects.items():
         how = "one value" if o.value is not None else f"per rank {sorted(o.per_rank)}"
-        lines.append(f"{key}  (value, {how})")
+        stored = o.value if o.value is not None else next(iter(o.per_rank.values()))
+        enc = {"json": "data", "torch_save": "torch.save", "pickle": "pickle, not read"}
+        lines.append(f"{key}  (value, {how}, {enc.get(stored.encoding, stored.encoding)})")
     total = sum(e.nbytes for e in md.tensors.values())
     lines.append(f"{len(md.tensors)} tensors, {len(md.objects)} values, {total} bytes")
     return "\n".join(lines)

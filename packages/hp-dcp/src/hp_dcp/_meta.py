@@ -6,8 +6,9 @@ CRC-32 of those bytes. The same description covers our own checkpoints, HuggingF
 files (one chunk per tensor) and PyTorch DCP checkpoints (chunks stored as ``torch.save`` blobs:
 ``encoding="torch_save"``).
 
-Non-tensor values ("objects") are pickled. One object equal on every rank is stored once; values
-that differ are stored per rank, and ``load`` gives each rank its own.
+Non-tensor values ("objects") are stored as data (tagged JSON, ``_codec``), never pickled. One
+object equal on every rank is stored once; values that differ are stored per rank, and ``load``
+gives each rank its own.
 """
 
 from __future__ import annotations
@@ -114,13 +115,15 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """Pickled bytes of one object value."""
+    """The stored bytes of one object value: hp-dcp's JSON encoding of data (``_codec``),
+    PyTorch DCP's ``torch.save`` (``"torch_save"``), or the pickles of hp-dcp checkpoints
+    written before values were data (``"pickle"``, read only when allowed)."""
 
     file: str
     offset: int
     nbytes: int
     crc32: int | None = None
-    encoding: str = "pickle"  # or "torch_save"
+    encoding: str = "json"
 
 
 @dataclass

@@ -21,7 +21,7 @@ __all__ = ["ReadItem", "SavePlanner", "WriteItem", "plan_reads"]
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One thing a rank could write: a tensor box or a pickled object."""
+    """One thing a rank could write: a tensor box or an object's encoded bytes."""
 
     key: str
     kind: str  # "tensor" or "object"
@@ -30,7 +30,7 @@ class WriteItem:
     shape: tuple[int, ...] = ()
     offsets: tuple[int, ...] = ()
     sizes: tuple[int, ...] = ()
-    digest: int = 0  # objects: CRC-32 of the pickled bytes
+    digest: int = 0  # objects: CRC-32 of the encoded bytes
     placements: str = ""
 
     @property

@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import struct
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ._codec import CodecError, decode
 from ._meta import (
     METADATA_FILE,
     Chunk,
@@ -383,12 +385,39 @@ class _Reader:
         dest.copy_(t[idx])
         return c.nbytes
 
-    def read_object(self, key: str, stored: StoredObject) -> Any:
-        """The value of a stored object."""
+    def read_object(self, key: str, stored: StoredObject, *, allow_pickle: bool = False) -> Any:
+        """The value of a stored object, read as data: hp-dcp's JSON encoding, or PyTorch DCP's
+        ``torch.save`` with ``weights_only=True``. Pickles (hp-dcp checkpoints written before
+        values were data) are refused unless ``allow_pickle`` (with a warning)."""
         blob = self.read_bytes(stored.file, stored.offset, stored.nbytes)
         self._check(key, stored, zlib.crc32(blob))
+        if stored.encoding == "json":
+            try:
+                return decode(blob)
+            except CodecError as e:
+                raise CorruptCheckpointError(f"value {key!r} in {stored.file}: {e}") from None
         if stored.encoding == "torch_save":
-            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+            try:
+                return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - anything beyond plain data is refused
+                raise CheckpointError(
+                    f"value {key!r}: PyTorch DCP stored it as a pickle that is not plain data "
+                    f"(weights_only refused it: {type(e).__name__}); hp-dcp does not unpickle "
+                    "objects"
+                ) from None
+        if stored.encoding != "pickle":
+            raise CheckpointError(f"value {key!r}: unknown encoding {stored.encoding!r}")
+        if not allow_pickle:
+            raise CheckpointError(
+                f"value {key!r} is stored as a pickle (an hp-dcp checkpoint written before "
+                "values were stored as data); unpickling can run code: pass "
+                "allow_pickle=True (hp-dcp --allow-pickle) only for a checkpoint you trust, and "
+                "save it again to convert it"
+            )
+        warnings.warn(
+            f"unpickling value {key!r} of an old hp-dcp checkpoint (allow_pickle=True)",
+            stacklevel=2,
+        )
         return pickle.loads(blob)
 
 
