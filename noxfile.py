@@ -182,7 +182,7 @@ def tests(session: nox.Session, pkg: str) -> None:
         raise
 
 
-# Layering (docs: ARCHITECTURE.md). Rows run from top to bottom; a lower row may not import a
+# Layering (docs/architecture.md). Rows run from top to bottom; a lower row may not import a
 # higher one, and packages within a row may not import each other (hp_pipeline reaches hp_fsdp
 # only through a protocol it defines itself, so it must not import hp_fsdp).
 LAYERS: list[list[str]] = [
@@ -410,10 +410,22 @@ def install(session: nox.Session) -> None:
     session.run("hp-dcp", "--help", silent=True)
 
 
+def _has_cuda() -> bool:
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every CPU benchmark script, benchmarks/<package>/*.py (files named _* are helpers)."""
+    """Run every CPU benchmark script, benchmarks/<package>/*.py (files named _* are helpers;
+    scripts that set ``REQUIRES_CUDA = True`` run only where CUDA is, and are listed as
+    skipped otherwise)."""
     scripts = sorted(p for p in ROOT.glob("benchmarks/*/*.py") if not p.name.startswith("_"))
+    cuda_only = [p for p in scripts if "\nREQUIRES_CUDA = True" in p.read_text()]
+    if cuda_only and not _has_cuda():
+        session.log("CUDA-only, skipped here: " + ", ".join(p.name for p in cuda_only))
+        scripts = [p for p in scripts if p not in cuda_only]
     if not scripts:
         session.skip("no benchmarks/<package>/*.py scripts yet")
     _install_with_torch(session, _with_local_deps(sorted(PACKAGES)), [])

@@ -17,6 +17,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+REQUIRES_CUDA = True  # nox -s bench runs it only where CUDA is
+
 OPS = ["all_gather", "all_to_all", "reduce_scatter", "all_reduce"]
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from gpu_collectives import _time, init_gpu  # noqa: E402  (same folder)
 
+REQUIRES_CUDA = True  # nox -s bench runs it only where CUDA is
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)

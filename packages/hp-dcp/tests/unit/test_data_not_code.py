@@ -1,14 +1,12 @@
 """Checkpoints are data, not code: values are stored as tagged JSON and round-trip with their
 types; a crafted checkpoint whose value is a pickle that would run a command (its checksum
-fixed to match) is refused by load, verify and the trainer's resume, and inspect does not read
-it; nothing runs. An old checkpoint's pickles load only with allow_pickle=True (warned)."""
+fixed to match) is refused by load, verify and the CLI, and inspect does not read it; nothing
+runs (hp-trainer's test_resume_safety does the same for the trainer's resume).
+An old checkpoint's pickles load only with allow_pickle=True (warned).
+"""
 
-import json
 import math
-import os
 import pickle
-import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +15,7 @@ import torch
 import hp_dcp
 from hp_dcp import CheckpointError, StateDictError
 from hp_dcp._codec import decode, encode
-
-
-class _RunsCommand:
-    """Unpickling this runs ``touch <marker>``."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from hp_testing.tamper import RunsCommand, plant_value
 
 
 def _value():
@@ -64,36 +53,19 @@ def test_values_round_trip_with_their_types(tmp_path):
     assert not (tmp_path / "d" / "metadata.json").exists()  # refused before writing
 
 
-def _plant(ckpt: Path, key: str, blob: bytes, encoding: str) -> None:
-    """Replace value ``key``'s stored bytes with ``blob`` (appended to its data file) and fix
-    the metadata's offset, size, checksum and encoding to match, as an attacker would."""
-    meta_path = ckpt / "metadata.json"
-    doc = json.loads(meta_path.read_text())
-    entry = doc["objects"][key]
-    stored = (
-        entry["value"] if entry["value"] is not None else next(iter(entry["per_rank"].values()))
-    )
-    data = ckpt / stored["file"]
-    offset = data.stat().st_size
-    with open(data, "ab") as f:
-        f.write(blob)
-    stored.update(offset=offset, nbytes=len(blob), crc32=zlib.crc32(blob), encoding=encoding)
-    meta_path.write_text(json.dumps(doc))
-
-
 @pytest.mark.parametrize("encoding", ["pickle", "torch_save"])
 def test_a_crafted_checkpoint_runs_nothing(tmp_path, encoding, capsys):
     marker = tmp_path / "pwned"
     ckpt = tmp_path / "c"
     hp_dcp.save({"w": torch.ones(2), "meta": {"step": 1}}, checkpoint_id=ckpt)  # "meta.step"
-    payload = pickle.dumps(_RunsCommand(marker))
+    payload = pickle.dumps(RunsCommand(marker))
     if encoding == "torch_save":
         import io
 
         buf = io.BytesIO()
-        torch.save({"x": _RunsCommand(marker)}, buf)
+        torch.save({"x": RunsCommand(marker)}, buf)
         payload = buf.getvalue()
-    _plant(ckpt, "meta.step", payload, encoding)
+    plant_value(ckpt, "meta.step", payload, encoding)
     out = {"w": torch.zeros(2), "meta": {"step": 0}}
     with pytest.raises(CheckpointError, match="'meta.step'"):
         hp_dcp.load(out, checkpoint_id=ckpt)
@@ -111,7 +83,7 @@ def test_a_crafted_checkpoint_runs_nothing(tmp_path, encoding, capsys):
 def test_old_pickled_values_need_the_opt_in(tmp_path):
     ckpt = tmp_path / "old"
     hp_dcp.save({"w": torch.ones(2), "meta": {"step": 0}}, checkpoint_id=ckpt)
-    _plant(ckpt, "meta.step", pickle.dumps(7), "pickle")  # what hp-dcp used to write
+    plant_value(ckpt, "meta.step", pickle.dumps(7), "pickle")  # what hp-dcp used to write
     out = {"w": torch.zeros(2), "meta": {"step": 0}}
     with pytest.raises(CheckpointError, match="allow_pickle=True"):
         hp_dcp.load(out, checkpoint_id=ckpt)
@@ -124,21 +96,3 @@ def test_old_pickled_values_need_the_opt_in(tmp_path):
     again = {"w": torch.zeros(2), "meta": {"step": 0}}
     hp_dcp.load(again, checkpoint_id=tmp_path / "new")
     assert again["meta"] == {"step": 7}
-
-
-def test_the_trainer_refuses_to_resume_a_crafted_checkpoint(tmp_path):
-    from hp_trainer import LLMTrainer, load_config
-
-    marker = tmp_path / "pwned"
-    args = ["--training.steps", "2", "--training.seq_len", "16", "--training.global_batch_size"]
-    args += ["2", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path / "run")]
-    args += ["--metrics.tensorboard", "false", "--metrics.plot", "false"]
-    trainer = LLMTrainer(load_config(None, args))
-    trainer.train()
-    latest = trainer.latest_checkpoint()
-    md = json.loads((latest / "metadata.json").read_text())
-    key = next(iter(md["objects"]))  # any stored value: the loss history, the data position...
-    _plant(latest, key, pickle.dumps(_RunsCommand(marker)), "pickle")
-    with pytest.raises(CheckpointError, match="stored as a pickle"):
-        LLMTrainer(load_config(None, args))
-    assert not marker.exists()
