@@ -11,6 +11,7 @@ from ._balance import (
     MoEAuxLossAutoScaler,
     moe_statistics,
     register_expert_bias_update,
+    reset_statistics,
     set_aux_loss_scale,
     set_load_balance_group,
     update_expert_bias,
@@ -57,5 +58,6 @@ __all__ = [
     "register_expert_bias_update",
     "set_aux_loss_scale",
     "set_load_balance_group",
+    "reset_statistics",
     "update_expert_bias",
 ]

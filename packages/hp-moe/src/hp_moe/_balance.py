@@ -268,7 +268,15 @@ def update_expert_bias(model: nn.Module, *, group: Any = None) -> None:
             delta = m.load_balance_coeff * torch.sign(counts.mean() - counts)
             delta -= delta.mean()
             m.expert_bias.add_(delta.to(m.expert_bias.dtype))
-    for m in moes:
+    reset_statistics(model)
+
+
+@torch.no_grad()
+def reset_statistics(model: nn.Module) -> None:
+    """Zero the step's statistics of every ``MoE`` of ``model`` (expert counts, dropped tokens,
+    the balance loss's running sum) without moving any expert bias: what a trainer calls for a
+    step it skips. ``update_expert_bias`` ends with it."""
+    for m in _moe_modules(model):
         m.tokens_per_expert.zero_()
         m.global_counts.zero_()
         m.dropped_tokens.zero_()

@@ -62,7 +62,10 @@ _GMM_DTYPES = {
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch`` has a grouped matmul for these operands: the op exists, the device and
     dtype have a kernel, and every row stride is a multiple of 16 bytes (the kernels' rule)."""
-    if _GMM is None or x.dtype not in _GMM_DTYPES.get(x.device.type, ()):
+    dtypes = _GMM_DTYPES.get(x.device.type, ())
+    if torch.compiler.is_compiling():  # the op's meta function (what compile traces) wants bf16
+        dtypes = tuple(d for d in dtypes if d == torch.bfloat16)
+    if _GMM is None or x.dtype not in dtypes:
         return False
     es = x.element_size()
     if x.dim() != 2 or x.stride(1) != 1 or (x.stride(0) * es) % 16:

@@ -8,7 +8,7 @@ from ._pipeline import StageSet, pipeline_llama
 from ._trainer import Callback, LLMTrainer, preflight
 from .callbacks import LoggingCallback, MoeMonitorCallback
 from .config import JobConfig, load_config
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteError, PeerFailure, TrainingError
 
 __version__ = "0.1.0"
 
@@ -19,9 +19,12 @@ __all__ = [
     "LLMTrainer",
     "LoggingCallback",
     "MoeMonitorCallback",
+    "NonFiniteError",
+    "PeerFailure",
     "ParallelDims",
     "ParallelizeConfig",
     "StageSet",
+    "TrainingError",
     "dp_mesh",
     "load_config",
     "models",

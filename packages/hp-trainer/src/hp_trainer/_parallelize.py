@@ -17,6 +17,8 @@ from ._parallel_dims import ParallelDims
 __all__ = [
     "ParallelizeConfig",
     "apply_activation_checkpoint",
+    "apply_autocast",
+    "apply_compile",
     "apply_context_parallel",
     "dp_mesh",
     "head_local",
@@ -30,7 +32,10 @@ class ParallelizeConfig:
     between TP regions (less activation memory, same math); ``param_dtype``/``reduce_dtype`` are
     FSDP's mixed precision; ``reshard_after_forward`` as in ``fully_shard`` for the blocks (the
     root keeps its parameters after forward unless it is False); ``cp_*`` and ``seq_len`` for
-    context parallelism."""
+    context parallelism; ``compile`` runs each block's forward through ``torch.compile``.
+    Where FSDP does not apply (one process, or no data parallelism), ``param_dtype`` is
+    honoured with ``torch.autocast`` over the model's forward (fp32 parameters, optimizer
+    state and gradients; matmuls in ``param_dtype``), as torchtitan does."""
 
     sequence_parallel: bool = True
     activation_checkpoint: str = "none"  # "none", "full" or "selective" (per block)
@@ -43,6 +48,7 @@ class ParallelizeConfig:
     cp_method: str = "ring"
     cp_load_balance: bool = True
     seq_len: int | None = None
+    compile: bool = False
 
 
 def dp_mesh(mesh, parallel_dims: ParallelDims):
@@ -463,6 +469,30 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
         block.forward = forward
 
 
+def apply_compile(model: nn.Module) -> None:
+    """Compile each transformer block's forward with ``torch.compile`` (torchtitan compiles per
+    block: one block's graph serves every block of the same shapes). The block's own forward is
+    replaced, not the module wrapped, so parameter names do not change; FSDP's hooks and
+    activation checkpointing stay outside the compiled region (checkpointing re-runs the
+    compiled forward)."""
+    for block in _blocks(model):
+        block.forward = torch.compile(block.forward)
+
+
+def apply_autocast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``model``'s forward under ``torch.autocast(dtype)`` on its device type: mixed
+    precision without FSDP (parameters, gradients and optimizer state stay in fp32; autocast's
+    op lists choose what runs in ``dtype``). Backward follows the forward's casts."""
+    device_type = next(model.parameters()).device.type
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
 def parallelize_llama(
     model: nn.Module,
     *,
@@ -479,11 +509,13 @@ def parallelize_llama(
        sequence); then context parallelism over ``cp`` (``apply_context_parallel``);
     2. expert parallelism: experts over ``ep`` of the ``dp_shard`` ranks, their hidden width
        over ``tp`` when ``etp > 1``;
-    3. activation checkpointing per block (``config.activation_checkpoint``);
+    3. ``torch.compile`` per block (``config.compile``), then activation checkpointing per
+       block (``config.activation_checkpoint``);
     4. FSDP over ``dp_shard`` (HSDP with ``dp_replicate``): each block is one ``fully_shard``
        group, then the root; each MoE's experts first form a group of their own over the
        experts' data-parallel ranks (``efsdp``), with their gradients scaled by ``1 / ep``
-       (an expert's gradient sums the tokens of all ``ep`` ranks).
+       (an expert's gradient sums the tokens of all ``ep`` ranks). Without data
+       parallelism there is no FSDP: ``config.param_dtype`` then means autocast.
 
     ``mesh`` defaults to ``parallel_dims.build_mesh()`` on the model's device type, and
     ``expert_mesh`` to ``parallel_dims.build_expert_mesh()``. Check the model against the
@@ -507,9 +539,13 @@ def parallelize_llama(
         ),
         mtp_layers=cfg.mtp_layers,
     )
-    if parallel_dims.world_size == 1 and mesh is None:  # one process: only checkpointing applies
+    if parallel_dims.world_size == 1 and mesh is None:  # one process: no mesh, no FSDP
+        if config.compile:
+            apply_compile(model)
         if config.activation_checkpoint != "none":
             apply_activation_checkpoint(model, config.activation_checkpoint)
+        if config.param_dtype is not None:
+            apply_autocast(model, config.param_dtype)
         return model
     pd = parallel_dims
     device_type = next(model.parameters()).device.type
@@ -529,9 +565,13 @@ def parallelize_llama(
             load_balance=config.cp_load_balance,
         )
     moes = _expert_parallel(model, pd, mesh, expert_mesh) if cfg.moe is not None else []
+    if config.compile:
+        apply_compile(model)
     if config.activation_checkpoint != "none":
         apply_activation_checkpoint(model, config.activation_checkpoint)
     fsdp_mesh = dp_mesh(mesh, parallel_dims)
+    if fsdp_mesh is None and config.param_dtype is not None:  # no FSDP to cast parameters
+        apply_autocast(model, config.param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     ignored = []
     if pd.ep > 1:

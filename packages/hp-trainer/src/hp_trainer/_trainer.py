@@ -3,10 +3,14 @@ clipping, the LR schedule, checkpoint save/resume through hp-dcp and callbacks."
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
 import re
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +26,7 @@ from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, parallelize_llama
 from ._pipeline import SCHEDULES, pipeline_llama
 from .config import JobConfig
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteError, PeerFailure, TrainingError
 from .models import Transformer, TransformerConfig, from_pretrained, get_config
 
 __all__ = ["Callback", "LLMTrainer", "preflight"]
@@ -128,6 +132,33 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         cp_load_balance=p.context_parallel_load_balance,
         conv_kernel=mc.linear_conv_kernel if mc.architecture == "qwen3_5" else None,
     )
+    if t.compile:
+        untested = {
+            "tensor_parallel_degree": pd.tp,
+            "context_parallel_degree": pd.cp,
+            "pipeline_parallel_degree": pd.pp,
+            "expert_parallel_degree": pd.ep,
+        }
+        wrong = [f"{k}={v}" for k, v in untested.items() if v > 1]
+        if wrong:
+            raise ConfigError(
+                "training.compile=true compiles blocks on one process or under FSDP (data "
+                f"parallelism); not with {', '.join(wrong)}: set them to 1, or leave "
+                "training.compile false"
+            )
+    fsdp = pd.dp * pd.cp > 1  # FSDP shards over dp_shard x cp (and replicates over dp_rep.)
+    if not fsdp and t.mixed_precision_reduce != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_reduce={t.mixed_precision_reduce!r} sets FSDP's gradient "
+            "reduction; this job has no data parallelism, so nothing is reduced: leave it "
+            "float32"
+        )
+    if not fsdp and pd.pp > 1 and t.mixed_precision_param != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_param={t.mixed_precision_param!r} with pipeline "
+            "parallelism needs data parallelism (FSDP casts each stage's parameters): add "
+            "data_parallel_shard_degree > 1, or leave it float32"
+        )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
             raise ConfigError(
@@ -218,9 +249,14 @@ class LLMTrainer:
         cuda = torch.cuda.is_available()
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(
-                "cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=datetime.timedelta(seconds=300)
+                "cuda:nccl,cpu:gloo" if cuda else "gloo",
+                timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_s),
             )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # each rank's last started step, in the rendezvous store: a rank whose collective fails
+        # names the peers that never reported (see _peer_failure)
+        self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
+        self._preempted = False  # set by SIGTERM; acted on at the end of a step
         self.device = torch.device(
             f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
         )
@@ -250,6 +286,7 @@ class LLMTrainer:
             cp_method=p.context_parallel_method,
             cp_load_balance=p.context_parallel_load_balance,
             seq_len=t.seq_len,
+            compile=t.compile,
         )
         self.schedule = None
         if pd.pp > 1:
@@ -272,6 +309,7 @@ class LLMTrainer:
             self.model = parallelize_llama(
                 model, parallel_dims=pd, mesh=self.mesh, expert_mesh=self.expert_mesh, config=pconf
             )
+        self._set_timeouts(cfg.comm.init_timeout_s)  # the meshes' groups too
         self.dp_rank = 0
         if self.mesh is not None:
             names, coord = self.mesh.mesh_dim_names, self.mesh.get_coordinate()
@@ -471,11 +509,18 @@ class LLMTrainer:
         moe = self.moe_statistics() if self.model_config.moe is not None else None
         mtp = self._mtp_loss() if self.model_config.mtp_layers else None
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        # both are the same on every rank (the loss's mean, the norm over all shards), so every
+        # rank takes the same branch
+        loss_v = self._reduce_mean(total)
+        norm_v = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(loss_v) and math.isfinite(norm_v)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self._nonfinite(step, loss_v, norm_v)  # raises for "stop"
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
-        loss_v = self._reduce_mean(total)
         self.losses.append(loss_v)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -483,7 +528,7 @@ class LLMTrainer:
         tokens = t.global_batch_size * t.seq_len
         out = {
             "loss": loss_v,
-            "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+            "grad_norm": norm_v,
             "lr": float(lr),
             "tokens_per_s": tokens / dt,
             "mfu": self._mfu(tokens / dt),
@@ -494,7 +539,44 @@ class LLMTrainer:
             out["moe"] = moe
         if mtp is not None:
             out["mtp_loss"] = mtp
+        if not finite:
+            out["skipped"] = True
         return out
+
+    def _nonfinite(self, step: int, loss: float, norm: float) -> None:
+        """A step whose loss or gradient norm is not finite changes nothing: no optimizer or
+        LR step, the MoE counts of the step dropped. ``on_nonfinite = "stop"`` then writes a
+        checkpoint of the last good step (the state is still that step's) and raises
+        :class:`NonFiniteError`; ``"skip"`` goes on with the next batch."""
+        what = f"step {step}: loss {loss}, grad_norm {norm}"
+        if self.model_config.moe is not None:
+            import hp_moe
+
+            hp_moe.reset_statistics(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.config.training.on_nonfinite == "skip":
+            if self.rank == 0:
+                print(
+                    f"{what}: not finite, step skipped (training.on_nonfinite='skip')", flush=True
+                )
+            return
+        saved = ""
+        c = self.config.checkpoint
+        if c.enable and self.step > 0:
+            path = self.ckpt_dir / f"step-{self.step}"
+            if not (path / "metadata.json").exists():
+                path = self.save_checkpoint()
+                self._finish_pending()
+            saved = f"; the last good step's checkpoint is {path}"
+        raise NonFiniteError(
+            f"{what}: not finite, training stopped (training.on_nonfinite='stop'){saved}. Lower "
+            "training.lr, check the data, or set training.on_nonfinite='skip'"
+        )
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         """A batch of token ids on this rank's device and, under context parallelism, this
@@ -535,19 +617,122 @@ class LLMTrainer:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     def train(self) -> list[float]:
-        """Run from the current step to ``training.steps``; returns every step's loss so far."""
+        """Run from the current step to ``training.steps``; returns every step's loss so far.
+
+        SIGTERM (a scheduler's preemption) lets the current step finish, writes a checkpoint
+        and returns: the ranks agree on it at the end of each step, so they stop at the same
+        one, and a resumed run continues exactly as if it had never stopped. A collective that
+        fails or times out (``comm.train_timeout_s`` from the first step's end on) raises
+        :class:`PeerFailure` naming the ranks that did not report."""
         cfg = self.config
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        while self.step < cfg.training.steps:
-            metrics = self.train_step()
-            for cb in self.callbacks:
-                cb.on_step_end(self, self.step, metrics)
-            c = cfg.checkpoint
-            if c.enable and (self.step % c.interval == 0 or self.step == cfg.training.steps):
-                self.save_checkpoint()
-        if self._pending is not None:
-            self._pending.result()
+        start = self.step
+        with self._on_sigterm():
+            while self.step < cfg.training.steps:
+                metrics = self._guarded(self.train_step, beat=True)
+                if self.step == start + 1:  # set up and compiled: the training timeout now
+                    self._set_timeouts(cfg.comm.train_timeout_s)
+                for cb in self.callbacks:
+                    cb.on_step_end(self, self.step, metrics)
+                c = cfg.checkpoint
+                done = self.step == cfg.training.steps
+                if self._guarded(self._agree_preempted):
+                    if self.rank == 0:
+                        print(f"SIGTERM: stopping after step {self.step}", flush=True)
+                    if c.enable:
+                        self._guarded(self.save_checkpoint)
+                    break
+                if c.enable and (self.step % c.interval == 0 or done):
+                    self._guarded(self.save_checkpoint)
+        self._finish_pending()
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.losses
+
+    # -- faults -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _on_sigterm(self):
+        """Note SIGTERM instead of dying from it (main thread only; elsewhere, as before)."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self._preempted = True
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _agree_preempted(self) -> bool:
+        """Whether any rank got SIGTERM (one all-reduce of a flag, so all stop together)."""
+        flag = self._preempted
+        if dist.is_initialized():
+            t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    def _set_timeouts(self, seconds: float) -> None:
+        """Every process group's collective timeout (the default group's and the meshes')."""
+        if not dist.is_initialized():
+            return
+        timeout = datetime.timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if not dist.distributed_c10d._rank_not_in_group(group):
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    def _guarded(self, fn, *, beat: bool = False):
+        """``fn()`` (with ``beat``, this rank's next step noted in the store first); a failed
+        collective becomes a :class:`PeerFailure` that names the silent ranks."""
+        if self._store is None:
+            return fn()
+        try:
+            if beat:
+                self._store.set(f"hp_trainer/started/{self.rank}", str(self.step + 1))
+            return fn()
+        except (TrainingError, ConfigError):
+            raise
+        except RuntimeError as exc:  # gloo / NCCL / store errors (DistError is one)
+            raise self._peer_failure(exc) from exc
+
+    def _peer_failure(self, exc: BaseException) -> PeerFailure:
+        """Report this rank's failure in the store, wait a few seconds for the others' reports,
+        and name the ranks that sent none (dead, or hung inside the step they last started)."""
+        world = dist.get_world_size()
+        step = self.step + 1
+        head = f"rank {self.rank}: a collective failed or timed out in step {step}"
+        store = self._store
+        try:
+            store.set_timeout(datetime.timedelta(seconds=5))
+            store.set(f"hp_trainer/failed/{self.rank}", str(step))
+            grace = min(30.0, max(5.0, self.config.comm.train_timeout_s / 2))
+            deadline = time.monotonic() + grace
+            keys = {r: f"hp_trainer/failed/{r}" for r in range(world)}
+            while time.monotonic() < deadline:
+                silent = [r for r in range(world) if not store.check([keys[r]])]
+                if not silent:
+                    break
+                time.sleep(0.2)
+            last = {}
+            for r in silent:
+                key = f"hp_trainer/started/{r}"
+                last[r] = int(store.get(key)) if store.check([key]) else None
+            if silent:
+                where = ", ".join(
+                    f"rank {r} (last started step {v})" if v is not None else f"rank {r}"
+                    for r, v in last.items()
+                )
+                head += f"; did not report, dead or hung: {where}"
+            else:
+                head += "; every rank reported the failure (no rank is silent)"
+        except Exception:  # the store is gone with its host
+            head += "; the rendezvous store (hosted by rank 0) is unreachable: rank 0 died or hung"
+        msg = f"{head}\n{type(exc).__name__}: {exc}"
+        print(msg, file=sys.stderr, flush=True)
+        return PeerFailure(msg)

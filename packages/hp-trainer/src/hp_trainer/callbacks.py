@@ -5,6 +5,7 @@ TensorBoard, and a heat map PNG), all on rank 0."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ._trainer import Callback
@@ -13,7 +14,8 @@ __all__ = ["Callback", "LoggingCallback", "MoeMonitorCallback"]
 
 
 class LoggingCallback(Callback):
-    """Loss, gradient norm, LR, tokens/s, MFU and memory every ``log_freq`` steps; a tqdm bar;
+    """Loss, gradient norm, LR, tokens/s, MFU and memory every ``log_freq`` steps; a tqdm bar
+    when stderr is a terminal (in a log file, only the plain lines, as torchtitan writes);
     TensorBoard events under ``<dump>/tb`` (when ``tensorboard``); ``<dump>/metrics.jsonl``;
     ``<dump>/loss.png`` at the end (when ``plot``)."""
 
@@ -25,8 +27,6 @@ class LoggingCallback(Callback):
     def on_train_begin(self, trainer) -> None:
         if trainer.rank != 0:
             return
-        from tqdm.auto import tqdm
-
         dump = Path(trainer.config.job.dump_folder)
         dump.mkdir(parents=True, exist_ok=True)
         self.paths["metrics"] = dump / "metrics.jsonl"
@@ -39,14 +39,18 @@ class LoggingCallback(Callback):
                 self.writer = SummaryWriter(str(self.paths["tensorboard"]))
             except ImportError:  # pragma: no cover - tensorboard is a dependency
                 self.writer = None
-        steps = trainer.config.training.steps
-        self.bar = tqdm(total=steps, initial=trainer.step, desc="train", unit="step")
+        if sys.stderr.isatty():  # a log file would fill with the bar's carriage returns
+            from tqdm.auto import tqdm
+
+            steps = trainer.config.training.steps
+            self.bar = tqdm(total=steps, initial=trainer.step, desc="train", unit="step")
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
         if trainer.rank != 0:
             return
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
@@ -56,12 +60,16 @@ class LoggingCallback(Callback):
         if step % self.log_freq == 0 or step == 1:
             mfu = "-" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
             mtp = f"mtp_loss {metrics['mtp_loss']:.4f}  " if "mtp_loss" in metrics else ""
-            self.bar.write(
+            line = (
                 f"step {step:5d}  loss {metrics['loss']:.4f}  {mtp}"
                 f"grad_norm {metrics['grad_norm']:.3f}  "
                 f"lr {metrics['lr']:.2e}  tokens/s {metrics['tokens_per_s']:.0f}  mfu {mfu}  "
                 f"memory {metrics['memory_gib']:.2f} GiB"
             )
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
 
     def on_checkpoint(self, trainer, step: int, path: Path) -> None:
         if trainer.rank == 0:

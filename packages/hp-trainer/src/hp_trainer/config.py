@@ -20,6 +20,7 @@ else:  # pragma: no cover
 __all__ = [
     "ActivationCheckpoint",
     "Checkpoint",
+    "Comm",
     "Data",
     "Job",
     "JobConfig",
@@ -60,6 +61,10 @@ class Training:
     mixed_precision_reduce: str = "float32"
     seed: int = 0
     deterministic: bool = False
+    compile: bool = False  # torch.compile each transformer block (one process or FSDP)
+    # a step whose loss or gradient norm is not finite: "stop" (write a checkpoint of the last
+    # good step and stop) or "skip" (leave the parameters as they were and go on)
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -122,6 +127,15 @@ class Metrics:
 
 
 @dataclass
+class Comm:
+    """Collective timeouts: a rank waiting longer than this for a peer fails, naming the ranks
+    that did not arrive, instead of hanging."""
+
+    init_timeout_s: float = 300.0  # process-group setup and everything before the first step
+    train_timeout_s: float = 300.0  # every collective from the first step's end on
+
+
+@dataclass
 class JobConfig:
     """All sections; ``load_config`` builds one from TOML and overrides."""
 
@@ -134,6 +148,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -254,6 +269,11 @@ def _check(cfg: JobConfig) -> None:
     for key in ("mixed_precision_param", "mixed_precision_reduce"):
         if getattr(t, key) not in ("float32", "bfloat16", "float16"):
             problems.append(f"training.{key}={getattr(t, key)!r}: use float32, bfloat16 or float16")
+    if t.on_nonfinite not in ("stop", "skip"):
+        problems.append(f"training.on_nonfinite={t.on_nonfinite!r}: use 'stop' or 'skip'")
+    for key in ("init_timeout_s", "train_timeout_s"):
+        if not getattr(cfg.comm, key) > 0:
+            problems.append(f"comm.{key}={getattr(cfg.comm, key)}: must be > 0 seconds")
     schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
     if cfg.parallelism.pipeline_schedule not in schedules:
         problems.append(

@@ -1,0 +1,138 @@
+"""The trainer's switches on one process: bf16 mixed precision (autocast, fp32 master weights),
+``training.compile`` against eager, ``training.on_nonfinite`` ("skip" leaves the state as it
+was, "stop" writes the last good step's checkpoint), plain progress lines in a log file, and
+settings that cannot apply refused rather than ignored."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hp_trainer import ConfigError, LLMTrainer, LoggingCallback, NonFiniteError, load_config
+
+FAST = ["--training.seq_len", "32", "--training.global_batch_size", "4"]
+QUIET = ["--metrics.tensorboard", "false", "--metrics.plot", "false"]
+
+
+def _cfg(tmp_path, steps, *extra, name="run", ckpt=False):
+    args = [*FAST, *QUIET, "--job.dump_folder", str(tmp_path / name)]
+    args += ["--training.steps", str(steps), "--checkpoint.enable", str(ckpt).lower(), *extra]
+    return load_config(None, args)
+
+
+def test_bf16_on_one_process_is_autocast_with_fp32_master_weights(tmp_path):
+    fp32 = LLMTrainer(_cfg(tmp_path, 4, name="a")).train()
+    trainer = LLMTrainer(_cfg(tmp_path, 4, "--training.mixed_precision_param", "bfloat16"))
+    seen = []
+    for m in trainer.model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    bf16 = trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}  # every matmul ran in bf16
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert all(
+        v.dtype == torch.float32
+        for st in trainer.optimizer.state.values()
+        for k, v in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    assert bf16 != fp32  # honoured, not ignored ...
+    assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05  # ... and close to fp32
+
+
+def test_settings_with_nothing_to_act_on_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="mixed_precision_reduce='bfloat16'.*no data parallel"):
+        LLMTrainer(_cfg(tmp_path, 1, "--training.mixed_precision_reduce", "bfloat16"))
+    with pytest.raises(ConfigError, match="training.on_nonfinite='maybe'"):
+        _cfg(tmp_path, 1, "--training.on_nonfinite", "maybe")
+    with pytest.raises(ConfigError, match="comm.train_timeout_s=0.0"):
+        _cfg(tmp_path, 1, "--comm.train_timeout_s", "0")
+    from hp_trainer import preflight
+
+    for extra in (
+        ["--parallelism.tensor_parallel_degree", "2"],
+        ["--parallelism.context_parallel_degree", "2"],
+    ):
+        with pytest.raises(ConfigError, match="training.compile=true"):
+            preflight(_cfg(tmp_path, 1, "--training.compile", "true", *extra), 2)
+
+
+def test_compile_matches_eager(tmp_path):
+    from torch._dynamo.utils import counters
+
+    eager = LLMTrainer(_cfg(tmp_path, 3, name="eager")).train()
+    counters.clear()
+    compiled = LLMTrainer(_cfg(tmp_path, 3, "--training.compile", "true")).train()
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks did go through torch.compile
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+
+
+class _Poison:
+    """Make the model's forward return NaN logits on its ``at``-th call."""
+
+    def __init__(self, trainer, at):
+        self.calls, self.at = 0, at
+        inner = trainer.model.forward
+
+        def forward(*args, **kwargs):
+            self.calls += 1
+            out = inner(*args, **kwargs)
+            return out * float("nan") if self.calls == self.at else out
+
+        trainer.model.forward = forward
+
+
+def _snapshot(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("model", ["llama3-tiny", "deepseek-v3-tiny"])
+def test_skip_leaves_the_state_as_it_was(tmp_path, model, capsys):
+    t = LLMTrainer(_cfg(tmp_path, 4, "--model.name", model, "--training.on_nonfinite", "skip"))
+    _Poison(t, at=2)
+    t.train_step()
+    before, opt_before = _snapshot(t), copy.deepcopy(t.optimizer.state_dict())
+    lr = t.optimizer.param_groups[0]["lr"]
+    out = t.train_step()
+    assert out["skipped"] and out["loss"] != out["loss"]  # NaN, logged
+    after = _snapshot(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # expert_bias included
+    assert t.optimizer.state_dict()["state"].keys() == opt_before["state"].keys()
+    for k, st in t.optimizer.state_dict()["state"].items():
+        assert torch.equal(st["step"], opt_before["state"][k]["step"])
+    assert t.optimizer.param_groups[0]["lr"] == lr  # the schedule did not move
+    if model == "deepseek-v3-tiny":  # the skipped step's counts are not carried over
+        assert all(
+            m.tokens_per_expert.sum() == 0
+            for m in t.model.modules()
+            if hasattr(m, "tokens_per_expert")
+        )
+    assert t.step == 2 and "step 2: loss nan" in capsys.readouterr().out
+    nxt = t.train_step()
+    assert not nxt.get("skipped") and nxt["loss"] == nxt["loss"]
+
+
+def test_stop_writes_the_last_good_step(tmp_path):
+    cfg = _cfg(tmp_path, 6, "--checkpoint.interval", "100", ckpt=True)
+    t = LLMTrainer(cfg)
+    _Poison(t, at=3)
+    with pytest.raises(NonFiniteError, match=r"step 3: loss nan.*step-2"):
+        t.train()
+    good = LLMTrainer(_cfg(tmp_path, 6, name="good")).train()  # never poisoned
+    resumed = LLMTrainer(cfg)  # picks up the checkpoint of step 2
+    assert resumed.step == 2 and resumed.losses == good[:2]
+    assert resumed.train() == good  # the state was step 2's, untouched by step 3
+
+
+def test_log_file_gets_plain_lines_not_a_progress_bar(tmp_path, capsys):
+    log = LoggingCallback(log_freq=2, tensorboard=False, plot=False)
+    LLMTrainer(_cfg(tmp_path, 4), callbacks=[log]).train()
+    assert log.bar is None  # pytest's captured stderr is no terminal
+    out = capsys.readouterr()
+    assert [ln.split()[:2] for ln in out.out.splitlines() if ln.startswith("step")] == [
+        ["step", "1"],
+        ["step", "2"],
+        ["step", "4"],
+    ]
+    assert "\r" not in out.out + out.err
