@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -13,6 +14,8 @@ import torch.nn as nn
 import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
+from .config import ACTIVATION_ACTIONS
+from .errors import ConfigError
 
 __all__ = [
     "ParallelizeConfig",
@@ -20,6 +23,7 @@ __all__ = [
     "apply_autocast",
     "apply_compile",
     "apply_context_parallel",
+    "check_parallelize_config",
     "dp_mesh",
     "head_local",
     "parallelize_llama",
@@ -38,7 +42,12 @@ class ParallelizeConfig:
     state and gradients; matmuls in ``param_dtype``), as torchtitan does."""
 
     sequence_parallel: bool = True
-    activation_checkpoint: str = "none"  # "none", "full" or "selective" (per block)
+    activation_checkpoint: str = "none"  # "none", "full", "selective" or "swap" (per block)
+    #: per-module overrides of ``activation_checkpoint`` ({pattern: action}, hp_offload's
+    #: patterns); see :func:`apply_activation_checkpoint`
+    activation_plan: dict | None = None
+    #: FSDP keeps sharded parameters, gradients and optimizer states on the CPU
+    cpu_offload: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -453,20 +462,83 @@ def head_local(
     return module
 
 
-def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
-    """Run each block's forward under hp_offload's checkpoint (``mode`` "full" or "selective").
-    The block's forward is wrapped in place rather than the block in a wrapper module, so
-    parameter names, and with them checkpoints and HuggingFace names, do not change."""
-    from hp_offload import CheckpointPolicy, checkpoint
+def apply_activation_checkpoint(
+    model: nn.Module, mode: str, plan: dict[str, str] | None = None
+) -> Any:
+    """Activation memory per block, wrapping forwards in place (not the modules in wrappers),
+    so parameter names, and with them checkpoints and HuggingFace names, do not change.
 
-    policy = CheckpointPolicy(mode=mode)
-    for block in _blocks(model):
-        inner = block.forward
+    ``mode`` applies to every transformer block: ``"none"``, ``"full"`` or ``"selective"``
+    (hp_offload's checkpoint), or ``"swap"`` (the block's saved activations go to host memory
+    and come back, prefetched, in backward). ``plan`` maps module-name patterns (hp_offload's
+    ``OffloadPlan`` syntax: ``"layers.0-7"``, ``"layers.*.attention"``) to one of those four
+    actions; a block that a plan entry matches, contains or lies inside takes the plan's action
+    instead of ``mode``. Returns the ``hp_offload.SwapManager`` the swapped regions share (its
+    ``step()`` belongs after each step's backward), or None when nothing swaps."""
+    from hp_offload import (
+        CheckpointPolicy,
+        OffloadError,
+        OffloadPlan,
+        SwapManager,
+        SwapPolicy,
+        checkpoint,
+        swap,
+    )
 
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, policy=policy, **kwargs)
+    actions: dict[str, str] = {}
+    if plan:
+        rules, by_id = {}, {}
+        for pattern, action in plan.items():
+            if action not in ACTIVATION_ACTIONS:
+                raise ConfigError(
+                    f"activation_checkpoint.plan: {pattern!r}={action!r}: use one of "
+                    f"{list(ACTIVATION_ACTIONS)}"
+                )
+            # one distinct object per entry, to map hp_offload's resolution back to the action
+            obj = SwapPolicy() if action == "swap" else CheckpointPolicy()
+            rules[pattern], by_id[id(obj)] = obj, action
+        try:
+            resolved = OffloadPlan(rules).resolve(model)
+        except OffloadError as e:
+            raise ConfigError(f"activation_checkpoint.plan: {e}") from None
+        actions = {name: by_id[id(obj)] for name, obj in resolved.items()}
+    if mode != "none":
+        names = {id(m): n for n, m in model.named_modules()}
+        for block in _blocks(model):
+            name = names[id(block)]
+            if not any(
+                n == name or n.startswith(name + ".") or name.startswith(n + ".") for n in actions
+            ):
+                actions[name] = mode
+    manager = SwapManager() if "swap" in actions.values() else None
+    for name, action in actions.items():
+        if action == "none":
+            continue
+        module = model.get_submodule(name)
+        inner = module.forward
+        if action == "swap":
 
-        block.forward = forward
+            def forward(*args, _inner=inner, **kwargs):
+                return swap(_inner, *args, manager=manager, **kwargs)
+
+        else:
+            policy = CheckpointPolicy(mode=action)
+
+            def forward(*args, _inner=inner, _policy=policy, **kwargs):
+                return checkpoint(_inner, *args, policy=_policy, **kwargs)
+
+        module.forward = forward
+    return manager
+
+
+def _activation_memory(model: nn.Module, config: ParallelizeConfig) -> None:
+    """``apply_activation_checkpoint`` as ``config`` says; the swap manager is the model's
+    (``model.swap_manager``), so two models in one process never share one."""
+    manager = apply_activation_checkpoint(
+        model, config.activation_checkpoint, config.activation_plan
+    )
+    if manager is not None:
+        model.swap_manager = manager
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -491,6 +563,59 @@ def apply_autocast(model: nn.Module, dtype: torch.dtype) -> None:
             return inner(*args, **kwargs)
 
     model.forward = forward
+
+
+def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> None:
+    """Refuse the options that would have nothing to act on, or that are untested together,
+    with a :class:`ConfigError` naming the trainer's config key (``hp-train``'s preflight and
+    :func:`parallelize_llama` both call it)."""
+    fsdp = pd.dp * pd.cp > 1  # FSDP shards over dp_shard x cp (and replicates over dp_rep.)
+    if config.compile:
+        untested = {
+            "tensor_parallel_degree": pd.tp,
+            "context_parallel_degree": pd.cp,
+            "pipeline_parallel_degree": pd.pp,
+            "expert_parallel_degree": pd.ep,
+        }
+        wrong = [f"{k}={v}" for k, v in untested.items() if v > 1]
+        if wrong:
+            raise ConfigError(
+                "training.compile=true compiles blocks on one process or under FSDP (data "
+                f"parallelism); not with {', '.join(wrong)}: set them to 1, or leave "
+                "training.compile false"
+            )
+        swapped = (
+            config.activation_checkpoint == "swap"
+            or "swap" in (config.activation_plan or {}).values()
+        )
+        if swapped:
+            raise ConfigError(
+                "training.compile=true with swapped activations (activation_checkpoint swap) "
+                "is untested: use full or selective recomputation, or leave compile false"
+            )
+    if not fsdp and config.reduce_dtype not in (None, torch.float32):
+        raise ConfigError(
+            f"training.mixed_precision_reduce={str(config.reduce_dtype).removeprefix('torch.')!r}"
+            " sets FSDP's gradient reduction; this job has no data parallelism, so nothing is "
+            "reduced: leave it float32"
+        )
+    if not fsdp and pd.pp > 1 and config.param_dtype is not None:
+        raise ConfigError(
+            f"training.mixed_precision_param={str(config.param_dtype).removeprefix('torch.')!r}"
+            " with pipeline parallelism needs data parallelism (FSDP casts each stage's "
+            "parameters): add data_parallel_shard_degree > 1, or leave it float32"
+        )
+    if config.cpu_offload and not fsdp:
+        raise ConfigError(
+            "parallelism.fsdp_cpu_offload=true offloads FSDP's shards; this job has no data "
+            "parallelism: add data_parallel_shard_degree > 1, or leave it false"
+        )
+    if config.cpu_offload and pd.ep > 1 and pd.etp > 1:
+        raise ConfigError(
+            "parallelism.fsdp_cpu_offload=true: with expert_tensor_parallel_degree > 1 the "
+            "experts are not FSDP's and would stay on the device: set it to 1, or leave "
+            "fsdp_cpu_offload false"
+        )
 
 
 def parallelize_llama(
@@ -521,7 +646,7 @@ def parallelize_llama(
     ``expert_mesh`` to ``parallel_dims.build_expert_mesh()``. Check the model against the
     degrees first (``parallel_dims.check_model``). Returns the model.
     """
-    from hp_fsdp import MixedPrecisionPolicy, fully_shard
+    from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     config = config or ParallelizeConfig()
     cfg = model.config
@@ -539,11 +664,11 @@ def parallelize_llama(
         ),
         mtp_layers=cfg.mtp_layers,
     )
+    check_parallelize_config(parallel_dims, config)
     if parallel_dims.world_size == 1 and mesh is None:  # one process: no mesh, no FSDP
         if config.compile:
             apply_compile(model)
-        if config.activation_checkpoint != "none":
-            apply_activation_checkpoint(model, config.activation_checkpoint)
+        _activation_memory(model, config)
         if config.param_dtype is not None:
             apply_autocast(model, config.param_dtype)
         return model
@@ -567,12 +692,12 @@ def parallelize_llama(
     moes = _expert_parallel(model, pd, mesh, expert_mesh) if cfg.moe is not None else []
     if config.compile:
         apply_compile(model)
-    if config.activation_checkpoint != "none":
-        apply_activation_checkpoint(model, config.activation_checkpoint)
+    _activation_memory(model, config)
     fsdp_mesh = dp_mesh(mesh, parallel_dims)
     if fsdp_mesh is None and config.param_dtype is not None:  # no FSDP to cast parameters
         apply_autocast(model, config.param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    offload = CPUOffloadPolicy() if config.cpu_offload else None
     ignored = []
     if pd.ep > 1:
         if pd.etp > 1:  # each expert already split over ep x tp: no data-parallel copies
@@ -587,6 +712,7 @@ def parallelize_llama(
                     moe.experts,
                     mesh=expert_mesh["efsdp"],
                     mp_policy=mp,
+                    offload_policy=offload,
                     reshard_after_forward=config.reshard_after_forward,
                 )
                 experts.set_gradient_scaling_factor(1.0 / pd.ep)
@@ -596,6 +722,7 @@ def parallelize_llama(
                 block,
                 mesh=fsdp_mesh,
                 mp_policy=mp,
+                offload_policy=offload,
                 reshard_after_forward=config.reshard_after_forward,
                 ignored_params=ignored,
             )
@@ -606,6 +733,7 @@ def parallelize_llama(
             model,
             mesh=fsdp_mesh,
             mp_policy=mp,
+            offload_policy=offload,
             reshard_after_forward=root_raf,
             ignored_params=ignored,
         )

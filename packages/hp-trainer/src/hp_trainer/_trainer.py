@@ -23,9 +23,9 @@ from hp_optim import AdamW, clip_grad_norm_, get_hyper_lr_scheduler
 
 from ._data import ByteTokenizer, TokenData, load_corpus, load_tokenizer
 from ._parallel_dims import ParallelDims
-from ._parallelize import ParallelizeConfig, parallelize_llama
+from ._parallelize import ParallelizeConfig, check_parallelize_config, parallelize_llama
 from ._pipeline import SCHEDULES, pipeline_llama
-from .config import JobConfig
+from .config import JobConfig, parse_activation_plan
 from .errors import ConfigError, NonFiniteError, PeerFailure, TrainingError
 from .models import Transformer, TransformerConfig, from_pretrained, get_config
 
@@ -100,6 +100,25 @@ def _moe_overrides(mc: TransformerConfig, cfg: JobConfig) -> TransformerConfig:
     return mc.replace(moe=moe)
 
 
+def parallelize_config(cfg: JobConfig) -> ParallelizeConfig:
+    """The :class:`ParallelizeConfig` a job's configuration asks for."""
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    return ParallelizeConfig(
+        sequence_parallel=p.sequence_parallel,
+        activation_checkpoint=ac.mode,
+        activation_plan=parse_activation_plan(ac.plan) or None,
+        param_dtype=None
+        if t.mixed_precision_param == "float32"
+        else _DTYPES[t.mixed_precision_param],
+        reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        cp_method=p.context_parallel_method,
+        cp_load_balance=p.context_parallel_load_balance,
+        seq_len=t.seq_len,
+        compile=t.compile,
+        cpu_offload=p.fsdp_cpu_offload,
+    )
+
+
 def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, TransformerConfig]:
     """Every check that needs no process: the degrees against ``world_size`` and against the
     model, batch and sequence sizes. Returns the degrees and the model configuration; raises
@@ -132,33 +151,7 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         cp_load_balance=p.context_parallel_load_balance,
         conv_kernel=mc.linear_conv_kernel if mc.architecture == "qwen3_5" else None,
     )
-    if t.compile:
-        untested = {
-            "tensor_parallel_degree": pd.tp,
-            "context_parallel_degree": pd.cp,
-            "pipeline_parallel_degree": pd.pp,
-            "expert_parallel_degree": pd.ep,
-        }
-        wrong = [f"{k}={v}" for k, v in untested.items() if v > 1]
-        if wrong:
-            raise ConfigError(
-                "training.compile=true compiles blocks on one process or under FSDP (data "
-                f"parallelism); not with {', '.join(wrong)}: set them to 1, or leave "
-                "training.compile false"
-            )
-    fsdp = pd.dp * pd.cp > 1  # FSDP shards over dp_shard x cp (and replicates over dp_rep.)
-    if not fsdp and t.mixed_precision_reduce != "float32":
-        raise ConfigError(
-            f"training.mixed_precision_reduce={t.mixed_precision_reduce!r} sets FSDP's gradient "
-            "reduction; this job has no data parallelism, so nothing is reduced: leave it "
-            "float32"
-        )
-    if not fsdp and pd.pp > 1 and t.mixed_precision_param != "float32":
-        raise ConfigError(
-            f"training.mixed_precision_param={t.mixed_precision_param!r} with pipeline "
-            "parallelism needs data parallelism (FSDP casts each stage's parameters): add "
-            "data_parallel_shard_degree > 1, or leave it float32"
-        )
+    check_parallelize_config(pd, parallelize_config(cfg))
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
             raise ConfigError(
@@ -276,18 +269,7 @@ class LLMTrainer:
         single = world == 1 and not dist.is_initialized()
         self.mesh = None if single else pd.build_mesh(self.device.type)
         self.expert_mesh = None if single else pd.build_expert_mesh(self.device.type)
-        pconf = ParallelizeConfig(
-            sequence_parallel=p.sequence_parallel,
-            activation_checkpoint=cfg.activation_checkpoint.mode,
-            param_dtype=None
-            if t.mixed_precision_param == "float32"
-            else _DTYPES[t.mixed_precision_param],
-            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
-            cp_method=p.context_parallel_method,
-            cp_load_balance=p.context_parallel_load_balance,
-            seq_len=t.seq_len,
-            compile=t.compile,
-        )
+        pconf = parallelize_config(cfg)
         self.schedule = None
         if pd.pp > 1:
             self.schedule, self.model = pipeline_llama(
@@ -309,6 +291,9 @@ class LLMTrainer:
             self.model = parallelize_llama(
                 model, parallel_dims=pd, mesh=self.mesh, expert_mesh=self.expert_mesh, config=pconf
             )
+        self._swap_managers = [  # activation swap (activation_checkpoint "swap"), per stage
+            m.swap_manager for m in self.model.modules() if hasattr(m, "swap_manager")
+        ]
         self._set_timeouts(cfg.comm.init_timeout_s)  # the meshes' groups too
         self.dp_rank = 0
         if self.mesh is not None:
@@ -504,6 +489,7 @@ class LLMTrainer:
                 loss = _loss(self.model(x), y) / self.micro_batches
                 loss.backward()
                 total += loss.detach()
+        swapped = [m.step() for m in self._swap_managers]  # host buffers back to the pool
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self._clip(params, t.max_norm)
         moe = self.moe_statistics() if self.model_config.moe is not None else None
@@ -539,6 +525,8 @@ class LLMTrainer:
             out["moe"] = moe
         if mtp is not None:
             out["mtp_loss"] = mtp
+        if swapped:  # activations this rank sent to host memory in the step
+            out["swapped_gib"] = sum(st.bytes_out for st in swapped) / 2**30
         if not finite:
             out["skipped"] = True
         return out

@@ -85,6 +85,8 @@ class Parallelism:
     # for host-bound steps (small microbatches); unsharded stages on CUDA only
     pipeline_cuda_graphs: bool = False
     collectives: str = "torch"  # "hp_kernels": CPU collectives through shared memory
+    # FSDP keeps sharded parameters, gradients and optimizer states in host memory
+    fsdp_cpu_offload: bool = False
 
 
 @dataclass
@@ -98,9 +100,38 @@ class MoE:
     capacity_factor: float = 0.0  # 0: the model's (dropless unless it caps); > 0: capacity
 
 
+#: what activation memory a block (or a plan's module) gets
+ACTIVATION_ACTIONS = ("none", "full", "selective", "swap")
+
+
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # "none", "full" or "selective"
+    """``mode`` for every transformer block: "none", "full" or "selective" recomputation, or
+    "swap" (saved activations to host memory, prefetched back in backward). ``plan``
+    overrides it per module: ``"layers.0-7=swap,layers.8-15=selective"`` (hp_offload's
+    patterns; each ``pattern=action`` with an action of ``mode``'s)."""
+
+    mode: str = "none"
+    plan: str = ""
+
+
+def parse_activation_plan(text: str) -> dict[str, str]:
+    """``"layers.0-7=swap, layers.8-15=full"`` -> ``{"layers.0-7": "swap", ...}``; raises
+    :class:`ConfigError` naming ``activation_checkpoint.plan`` for a malformed entry."""
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        pattern, eq, action = (x.strip() for x in item.partition("="))
+        if not eq or not pattern or action not in ACTIVATION_ACTIONS:
+            raise ConfigError(
+                f"activation_checkpoint.plan: entry {item!r}: write pattern=action with an "
+                f"action of {list(ACTIVATION_ACTIONS)} (e.g. 'layers.0-7=swap')"
+            )
+        if pattern in out:
+            raise ConfigError(f"activation_checkpoint.plan: pattern {pattern!r} appears twice")
+        out[pattern] = action
+    return out
 
 
 @dataclass
@@ -292,11 +323,15 @@ def _check(cfg: JobConfig) -> None:
         problems.append(
             f"parallelism.collectives={cfg.parallelism.collectives!r}: use 'torch' or 'hp_kernels'"
         )
-    if cfg.activation_checkpoint.mode not in ("none", "full", "selective"):
+    if cfg.activation_checkpoint.mode not in ACTIVATION_ACTIONS:
         problems.append(
-            f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: use none, full or "
-            "selective"
+            f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r}: use one of "
+            f"{list(ACTIVATION_ACTIONS)}"
         )
+    try:
+        parse_activation_plan(cfg.activation_checkpoint.plan)
+    except ConfigError as e:
+        problems.append(str(e))
     m = cfg.moe
     if m.aux_loss_type not in ("", "sequence", "batch", "global"):
         problems.append(

@@ -1,6 +1,7 @@
 """LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x FSDP 2 (1F1B, activation
 checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2 ring, CP 2 x TP 2
-all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP) give the one-process
+all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP; FSDP 4 with CPU
+offload and a swap / selective-recomputation plan) give the one-process
 losses (within 1e-4) with
 accumulation, clipping and the LR schedule in the loop; a run killed after a checkpoint
 resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
@@ -68,6 +69,10 @@ PAR = {
     "cp4-ulysses-no-lb": "--parallelism.context_parallel_degree 4 "
     "--parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_method ulysses "
     "--parallelism.context_parallel_load_balance false",
+    # FSDP 4 with its shards in host memory, blocks 0-1 swapping their activations to host
+    # memory and the others recomputing (a per-layer plan)
+    "fsdp4-cpu-offload-swap-plan": "--parallelism.fsdp_cpu_offload true "
+    "--activation_checkpoint.mode selective --activation_checkpoint.plan layers.0-1=swap",
     "pp2xcp2": "--parallelism.pipeline_parallel_degree 2 "
     "--parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 "
     "--parallelism.pipeline_microbatches 2 --training.local_batch_size 0",

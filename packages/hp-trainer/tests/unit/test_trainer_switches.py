@@ -136,3 +136,48 @@ def test_log_file_gets_plain_lines_not_a_progress_bar(tmp_path, capsys):
         ["step", "4"],
     ]
     assert "\r" not in out.out + out.err
+
+
+def _count_calls(module, counter, key):
+    module.register_forward_hook(lambda mod, args, out: counter.__setitem__(key, counter[key] + 1))
+
+
+def test_swap_and_per_layer_plans_keep_the_losses(tmp_path):
+    plain = LLMTrainer(_cfg(tmp_path, 3, name="plain")).train()
+    swap = LLMTrainer(_cfg(tmp_path, 3, "--activation_checkpoint.mode", "swap", name="swap"))
+    out = [swap.train_step() for _ in range(3)]
+    assert [o["loss"] for o in out] == plain  # swapped out and back: the same bits
+    assert all(o["swapped_gib"] > 0 for o in out)  # and they did leave
+    for plan, kinds in (("layers.0=swap", ("swap", "full")), ("layers.1=none", ("full", "none"))):
+        t = LLMTrainer(
+            _cfg(
+                tmp_path,
+                3,
+                "--activation_checkpoint.mode",
+                "full",
+                "--activation_checkpoint.plan",
+                plan,
+                name=plan,
+            )
+        )
+        calls = dict.fromkeys(kinds, 0)
+        for key, block in zip(kinds, t.model.layers.values()):
+            _count_calls(block.attention, calls, key)
+        assert t.train() == plain
+        # one forward per step, but two where the block is recomputed in backward ("full")
+        assert calls == {k: 6 if k == "full" else 3 for k in kinds}, plan
+
+
+def test_bad_activation_plans_and_offload_without_fsdp_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="plan: entry 'layers.0'"):
+        _cfg(tmp_path, 1, "--activation_checkpoint.plan", "layers.0")
+    with pytest.raises(ConfigError, match="plan: entry 'layers.0=fast'"):
+        _cfg(tmp_path, 1, "--activation_checkpoint.plan", "layers.0=fast")
+    with pytest.raises(ConfigError, match="pattern 'layers.9' matches no module"):
+        LLMTrainer(_cfg(tmp_path, 1, "--activation_checkpoint.plan", "layers.9=swap"))
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload=true.*no data parallelism"):
+        LLMTrainer(_cfg(tmp_path, 1, "--parallelism.fsdp_cpu_offload", "true"))
+    with pytest.raises(ConfigError, match="compile=true with swapped activations"):
+        LLMTrainer(
+            _cfg(tmp_path, 1, "--training.compile", "true", "--activation_checkpoint.mode", "swap")
+        )
