@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ._checks import check_bool, check_callable, check_mesh, check_module, check_shape_stride
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placement import Partial, Placement, Replicate, Shard, normalize_placements
@@ -38,8 +40,9 @@ from ._redistribute import (
     gathered_dims,
     redistribute_local,
 )
+from ._shard_math import local_shape_and_offset
 from ._spec import DTensorSpec, contiguous_strides, redistribute_target
-from .errors import PlacementError, ShardingError
+from .errors import HPDTensorTypeError, MeshError, PlacementError, ShardingError
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
@@ -119,9 +122,15 @@ class DTensor(torch.Tensor):
         Without ``shape`` the global shape assumes even shards (local size times the mesh size
         on sharded dims); give ``shape`` for uneven shards, or ``run_check=True`` to compute it
         from every rank's local shape (a collective) and to broadcast replicated values from the
-        first rank of each replicated mesh dimension. Differentiable: the gradient reaching
-        ``local_tensor`` is the local gradient (see NOTE [Gradient representation]).
+        first rank of each replicated mesh dimension. With ``run_check`` a given ``shape`` must
+        match the pieces, and the pieces must split it as ``torch.chunk`` does; otherwise every
+        rank raises ``ShardingError``. Differentiable: the gradient reaching ``local_tensor`` is
+        the local gradient (see NOTE [Gradient representation]).
         """
+        if not isinstance(local_tensor, torch.Tensor) and not _is_mindspore(local_tensor):
+            raise ShardingError(
+                f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}"
+            )
         if isinstance(device_mesh, Layout):
             if placements is not None:
                 raise PlacementError("give either a Layout or (device_mesh, placements), not both")
@@ -129,6 +138,8 @@ class DTensor(torch.Tensor):
             device_mesh = _layout_mesh(device_mesh, local_tensor)
         if device_mesh is None:
             raise PlacementError("device_mesh is required: pass the DeviceMesh the tensor lives on")
+        check_mesh(device_mesh, "device_mesh", "DTensor.from_local")
+        shape, stride = check_shape_stride(shape, stride, len(local_tensor.shape))
         if _is_mindspore(local_tensor):
             from ._backend._ms_dtensor import MSDTensor
 
@@ -141,7 +152,7 @@ class DTensor(torch.Tensor):
                 stride=stride,
             )
         _check_torch_mesh(device_mesh, "local_tensor")
-        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+        if isinstance(local_tensor, DTensor):
             raise ShardingError(
                 f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}"
             )
@@ -149,21 +160,14 @@ class DTensor(torch.Tensor):
             placements if placements is not None else (), device_mesh.ndim, local_tensor.ndim
         )
         if run_check:
-            local_tensor, global_shape = _check_from_local(local_tensor, device_mesh, placements)
-            if shape is None:
-                shape = global_shape
+            local_tensor, shape = _check_from_local(local_tensor, device_mesh, placements, shape)
         if shape is None:
             gshape = list(local_tensor.shape)
             for size, p in zip(device_mesh.shape, placements):
                 if type(p) is Shard:
                     gshape[p.dim] *= size
             shape = tuple(gshape)
-        shape = tuple(shape)
-        if len(shape) != local_tensor.ndim:
-            raise PlacementError(
-                f"shape={shape} has {len(shape)} dims but local_tensor has {local_tensor.ndim}"
-            )
-        stride = tuple(stride) if stride is not None else contiguous_strides(shape)
+        stride = stride if stride is not None else contiguous_strides(shape)
         spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
         local = _partial_adapters(local_tensor, spec, from_local=True)
         return _make(local, spec)
@@ -248,6 +252,8 @@ class DTensor(torch.Tensor):
         ``async_op`` is accepted for API compatibility and changes nothing on gloo.
         """
         spec = self._spec
+        if async_op is not False and async_op is not True:
+            check_bool(async_op, "async_op", "redistribute")
         placements = redistribute_target(spec, device_mesh, placements)
         if placements == spec.placements:
             return self
@@ -628,36 +634,79 @@ def _seed(t: DTensor, gradient) -> torch.Tensor:
     return gradient._local
 
 
-def _check_from_local(local, mesh, placements):
-    """run_check: agree on the global shape (uneven shards) and broadcast replicated values."""
+def _gather_table(values: list[int], mesh, platform, device) -> torch.Tensor:
+    """Every mesh rank's ``values`` (equally long on every rank), indexed by mesh coordinate:
+    an int64 tensor of shape ``mesh.shape + (len(values),)``, the same on every rank."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    for d in reversed(range(mesh.ndim)):
+        out = torch.empty(mesh.shape[d] * t.numel(), dtype=torch.int64, device=device)
+        platform.all_gather_into(out, t.reshape(-1), mesh._groups[d])
+        t = out
+    return t.view(*mesh.shape, len(values)).cpu()
+
+
+def _check_from_local(local, mesh, placements, shape):
+    """run_check: gather every rank's local shape, derive the global shape (uneven shards),
+    check it against ``shape`` when given, and broadcast replicated values.
+
+    Every rank sees the same gathered shapes, so every rank raises the same error (before the
+    broadcasts) when they do not fit."""
     from ._backend import get_platform
 
     platform = get_platform(mesh.device_type)
-    shape = list(local.shape)
-    for d in reversed(range(mesh.ndim)):
-        group = mesh._groups[d]
-        n = mesh.shape[d]
-        sizes = torch.tensor([list(shape)], dtype=torch.int64, device=local.device)
-        gathered = torch.empty(n * len(shape), dtype=torch.int64, device=local.device)
-        platform.all_gather_into(gathered, sizes.reshape(-1), group)
-        gathered = gathered.view(n, len(shape)).tolist()
-        p = placements[d]
-        for k in range(len(shape)):
-            col = [g[k] for g in gathered]
-            if type(p) is Shard and p.dim == k:
-                shape[k] = sum(col)
-            elif len(set(col)) != 1:
+    fmt = tuple(str(q) for q in placements)
+    ndims = _gather_table([local.ndim], mesh, platform, local.device).flatten().tolist()
+    if len(set(ndims)) != 1:
+        raise ShardingError(
+            f"DTensor.from_local(run_check=True): the ranks' local_tensor have different "
+            f"numbers of dims {sorted(set(ndims))}: every rank must pass a piece of one tensor"
+        )
+    ndim = local.ndim
+    coords = list(itertools.product(*(range(s) for s in mesh.shape)))
+    table = {c: () for c in coords}
+    if ndim:
+        t = _gather_table(list(local.shape), mesh, platform, local.device)
+        table = {c: tuple(t[c].tolist()) for c in coords}
+    gshape = []
+    for k in range(ndim):
+        sdims = {d for d, p in enumerate(placements) if type(p) is Shard and p.dim == k}
+        total = 0
+        for c in coords:
+            base = tuple(c[d] if d in sdims else 0 for d in range(mesh.ndim))
+            if table[c][k] != table[base][k]:
                 raise ShardingError(
-                    f"run_check: local shapes differ along mesh dim {d} ({gathered}) on tensor dim "
-                    f"{k}, which placements {tuple(str(q) for q in placements)} do not shard"
+                    f"DTensor.from_local(run_check=True): the ranks' local_tensor shapes differ "
+                    f"on tensor dim {k}, which placements {fmt} do not shard (mesh coordinate "
+                    f"{base}: {table[base]}, {c}: {table[c]}): pieces of a dim that is not "
+                    "sharded must have equal sizes"
                 )
-        if type(p) is Replicate:
+            if base == c:
+                total += table[c][k]
+        gshape.append(total)
+    gshape = tuple(gshape)
+    if shape is not None and tuple(shape) != gshape:
+        raise ShardingError(
+            f"DTensor.from_local(run_check=True): shape={tuple(shape)} does not match the local "
+            f"shapes, which tile {gshape} with placements {fmt}: pass shape={gshape} (or "
+            "leave shape=None to take it from the local shapes)"
+        )
+    for c in coords:
+        want = local_shape_and_offset(gshape, mesh.shape, c, placements)[0]
+        if table[c] != want:
+            raise ShardingError(
+                f"DTensor.from_local(run_check=True): local_tensor on mesh coordinate {c} has "
+                f"shape {table[c]}, but placements {fmt} split the global shape {gshape} into "
+                f"{want} there (torch.chunk sizes: every rank but the last holds ceil(size / n)): "
+                "split the tensor as torch.chunk does"
+            )
+    for d in reversed(range(mesh.ndim)):
+        if type(placements[d]) is Replicate:
             local = local.contiguous()
             with torch.no_grad():
                 buf = local.detach().clone()
-                platform.broadcast(buf, mesh.rank_list[_first_rank_index(mesh, d)], group)
+                platform.broadcast(buf, mesh.rank_list[_first_rank_index(mesh, d)], mesh._groups[d])
                 local = local + (buf - local.detach())  # keeps autograd on local
-    return local, tuple(shape)
+    return local, gshape
 
 
 def _is_mindspore(t) -> bool:
@@ -725,16 +774,24 @@ def distribute_tensor(
     ``device_mesh`` may also be a bound ``Layout`` (then ``placements`` is omitted), e.g.
     ``distribute_tensor(w, Layout((2, 2), ("dp", "tp"))("tp", "None"))``.
     With ``src_data_rank=0`` (default) the values of the mesh's first rank are used on every rank
-    (broadcast along each mesh dimension); with ``None`` every rank uses its own ``tensor``, so
-    all ranks must pass equal values. Meta tensors are split without communication.
+    (broadcast along each mesh dimension); ``src_data_rank=k`` takes them from index ``k`` along
+    every mesh dimension (torch's semantics); with ``None`` every rank uses its own ``tensor``,
+    so all ranks must pass equal values. Meta tensors are split without communication.
     """
+    if isinstance(tensor, DTensor):
+        raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
+    if not isinstance(tensor, torch.Tensor) and not _is_mindspore(tensor):
+        raise HPDTensorTypeError(
+            f"distribute_tensor: tensor is a {type(tensor).__name__}, not a tensor: pass the "
+            "whole torch.Tensor (e.g. torch.tensor(values))"
+        )
     if isinstance(device_mesh, Layout):
         if placements is not None:
             raise PlacementError("give either a Layout or (device_mesh, placements), not both")
         placements = device_mesh.to_placements()
         device_mesh = _layout_mesh(device_mesh, tensor)
-    if isinstance(tensor, DTensor):
-        raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
+    check_mesh(device_mesh, "device_mesh", "distribute_tensor")
+    _check_src_data_rank(src_data_rank, device_mesh)
     if _is_mindspore(tensor):
         from ._backend._ms_dtensor import distribute_tensor as ms_distribute_tensor
 
@@ -762,7 +819,7 @@ def distribute_tensor(
         full = full.contiguous().clone()
         for d in range(device_mesh.ndim):
             if device_mesh.shape[d] > 1:
-                root = device_mesh.rank_list[_first_rank_index(device_mesh, d)]
+                root = device_mesh._line(d)[src_data_rank]
                 platform.broadcast(full, root, device_mesh._groups[d])
     spec = DTensorSpec(
         device_mesh, placements, full.shape, contiguous_strides(full.shape), full.dtype
@@ -777,6 +834,25 @@ def distribute_tensor(
             local = local.clone()  # never alias the caller's tensor
     local = local.detach().requires_grad_(requires_grad)
     return _make(local, spec)
+
+
+def _check_src_data_rank(src_data_rank, mesh) -> None:
+    """``src_data_rank``: None, or an index valid along every mesh dimension that communicates."""
+    if src_data_rank is None:
+        return
+    if isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int):
+        raise HPDTensorTypeError(
+            f"distribute_tensor: src_data_rank={src_data_rank!r} must be an int (the source's "
+            "index along each mesh dimension) or None"
+        )
+    sizes = [s for s in mesh.shape if s > 1]
+    limit = min(sizes) if sizes else 1
+    if not 0 <= src_data_rank < limit:
+        raise MeshError(
+            f"distribute_tensor: src_data_rank={src_data_rank} is out of range for mesh shape "
+            f"{mesh.shape}: it is the source's index along each mesh dimension; give an int in "
+            f"[0, {limit}) (0: the mesh's first rank) or None (every rank uses its own tensor)"
+        )
 
 
 def distribute_module(
@@ -794,6 +870,11 @@ def distribute_module(
     before ``forward`` (its result replaces the inputs when not None) and
     ``output_fn(module, outputs, device_mesh)`` after it.
     """
+    check_module(module, "module", "distribute_module")
+    check_mesh(device_mesh, "device_mesh", "distribute_module")
+    check_callable(partition_fn, "partition_fn", "distribute_module")
+    check_callable(input_fn, "input_fn", "distribute_module")
+    check_callable(output_fn, "output_fn", "distribute_module")
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, device_mesh)

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._backend import get_platform
-from .errors import MeshError
+from .errors import HPDTensorTypeError, MeshError
 
 __all__ = [
     "init_process_group",
@@ -25,6 +25,7 @@ __all__ = [
     "get_group_local_rank",
     "new_group",
     "created_groups",
+    "mark_created_groups",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -42,8 +43,17 @@ def _seconds(timeout) -> float:
     if timeout is None:
         return DEFAULT_TIMEOUT_S
     if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise HPDTensorTypeError(
+            f"init_process_group: timeout={timeout!r} must be a datetime.timedelta or a number "
+            "of seconds"
+        )
+    if not seconds > 0:
+        raise MeshError(f"init_process_group: timeout={timeout!r} must be positive")
+    return seconds
 
 
 def init_process_group(
@@ -59,6 +69,7 @@ def init_process_group(
     HCCL on NPU). ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a rank
     waiting for a peer that died fails instead of hanging. Does nothing when already initialised.
     """
+    seconds = _seconds(timeout)  # checked even when already initialised
     platform = get_platform(device_type)
     if platform.is_initialized():
         return
@@ -71,7 +82,7 @@ def init_process_group(
             f"torchrun (e.g. torchrun --nproc_per_node=4 script.py) or set them yourself"
         )
     device_type = device_type or platform.default_device_type()
-    _STATE["timeout_s"] = _seconds(timeout)
+    _STATE["timeout_s"] = seconds
     platform.init_process_group(backend, _STATE["timeout_s"], device_type)
     # Gloo's worker threads must not outlive the interpreter: a process that forgets to call
     # destroy_process_group() would otherwise abort at exit ("terminate called without an
@@ -108,7 +119,7 @@ def new_group(ranks: Sequence[int]) -> Any:
 
     Only members need to call it. Ranks are global ranks of the default group.
     """
-    key = tuple(sorted(int(r) for r in ranks))
+    key = tuple(sorted(_ranks(ranks, "ranks", "new_group")))
     group = _GROUPS.get(key)
     if group is None:
         platform = get_platform()
@@ -120,6 +131,60 @@ def new_group(ranks: Sequence[int]) -> Any:
         group = platform.new_group(list(key), _STATE["timeout_s"])
         _GROUPS[key] = group
     return group
+
+
+def _ranks(ranks, arg: str, fn: str) -> list[int]:
+    """``ranks`` as a list of ints; a typed error naming ``arg`` otherwise."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise HPDTensorTypeError(
+            f"{fn}: {arg}={ranks!r} must be a list of int global ranks, e.g. [0, 1]"
+        )
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise HPDTensorTypeError(
+                f"{fn}: {arg}={list(ranks)!r} holds {r!r}, a {type(r).__name__}: give int "
+                "global ranks"
+            )
+        out.append(r)
+    return out
+
+
+def mark_created_groups(groups: Any) -> None:
+    """Adopt process groups made elsewhere (another framework, a serving engine, plain
+    ``torch.distributed.new_group``): ``groups`` is one group or a list of them. Afterwards
+    ``new_group`` — and with it every mesh — returns the adopted group for its ranks instead of
+    creating a second one over the same ranks.
+
+    Raises :class:`MeshError` if an entry is not a group of the active backend, or if another
+    group over the same ranks is already in use (meshes hold it; adopting a second would split
+    their traffic): adopt before building meshes. Adopting the same group twice does nothing.
+    """
+    items = list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    platform = get_platform()
+    if not platform.is_initialized():
+        raise MeshError(
+            "mark_created_groups: the default process group is not initialised: call "
+            "init_process_group first"
+        )
+    adopted: dict[tuple[int, ...], Any] = {}
+    for i, group in enumerate(items):
+        try:
+            ranks = platform.group_ranks(group)
+        except Exception as e:  # not a group of this backend
+            raise MeshError(
+                f"mark_created_groups: groups[{i}] ({type(group).__name__}) is not a process "
+                f"group of the active backend ({e}): pass groups made by it"
+            ) from None
+        key = tuple(sorted(int(r) for r in ranks))
+        held = _GROUPS.get(key, adopted.get(key))
+        if held is not None and held is not group:
+            raise MeshError(
+                f"mark_created_groups: groups[{i}] spans ranks {list(key)}, which already have a "
+                "group in use: adopt groups before building meshes, one group per set of ranks"
+            )
+        adopted[key] = group
+    _GROUPS.update(adopted)
 
 
 def created_groups() -> dict[tuple[int, ...], Any]:
@@ -138,8 +203,13 @@ def split_group(parent: Any, split_ranks: Sequence[Sequence[int]]) -> Any:
     me = platform.get_rank()
     seen: set[int] = set()
     mine = None
+    if isinstance(split_ranks, (str, bytes)) or not hasattr(split_ranks, "__iter__"):
+        raise HPDTensorTypeError(
+            f"split_group: split_ranks={split_ranks!r} must be a list of lists of global ranks, "
+            "e.g. [[0, 1], [2, 3]]"
+        )
     for ranks in split_ranks:
-        ranks = [int(r) for r in ranks]
+        ranks = _ranks(ranks, "split_ranks entry", "split_group")
         if parent_ranks is not None and not set(ranks) <= parent_ranks:
             raise MeshError(
                 f"split_ranks entry {ranks} has ranks outside the parent group "

@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from ._checks import check_callable, check_module
 from ._dtensor import DTensor, _make
 
 __all__ = ["init_empty_weights", "init_on_device", "init_parameters"]
@@ -58,6 +59,8 @@ def init_parameters(module: torch.nn.Module, *, init_fn=None, device=None) -> to
     Buffers computed in ``__init__`` (not in ``reset_parameters``) must be recomputed by
     ``init_fn``.
     """
+    check_module(module, "module", "init_parameters")
+    check_callable(init_fn, "init_fn", "init_parameters")
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     for sub in module.modules():

@@ -11,6 +11,7 @@ from ._groups import register_cleanup
 from ._mesh import DeviceMesh
 from ._placement import Partial, Replicate, Shard
 from ._spec import DTensorSpec
+from .errors import HPDTensorTypeError
 
 __all__ = ["to_torch", "from_torch", "to_torch_mesh", "from_torch_mesh"]
 
@@ -61,7 +62,7 @@ def _from_torch_placement(p):
         return Replicate()
     if isinstance(p, tdt.Partial):
         return Partial(p.reduce_op)
-    raise TypeError(f"torch placement {p!r} has no hp_dtensor equivalent")
+    raise HPDTensorTypeError(f"torch placement {p!r} has no hp_dtensor equivalent")
 
 
 def to_torch(dt: DTensor) -> tdt.DTensor:
@@ -79,6 +80,11 @@ def to_torch(dt: DTensor) -> tdt.DTensor:
 
 def from_torch(t: tdt.DTensor) -> DTensor:
     """A torch DTensor as ours; the local tensor is shared, not copied."""
+    if not isinstance(t, tdt.DTensor):
+        raise HPDTensorTypeError(
+            f"DTensor.from_torch: t is a {type(t).__name__}, not a torch.distributed.tensor."
+            "DTensor: for a plain tensor use DTensor.from_local or distribute_tensor"
+        )
     mesh = from_torch_mesh(t.device_mesh)
     placements = tuple(_from_torch_placement(p) for p in t.placements)
     spec = DTensorSpec(mesh, placements, tuple(t.shape), tuple(t.stride()), t.dtype)

@@ -16,14 +16,33 @@ convert to and from the (mesh shape, placements) form DTensor uses.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 from ._placement import Partial, Placement, Replicate, Shard
-from .errors import LayoutError
+from .errors import HPDTensorTypeError, LayoutError
 
 __all__ = ["Layout"]
 
 _NONE = "None"
+
+
+def _int_tuple(values, arg: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise HPDTensorTypeError(
+            f"Layout: {arg}={values!r} is a {type(values).__name__}: give a tuple of ints"
+        )
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise HPDTensorTypeError(
+                f"Layout: {arg}={tuple(values)!r} holds {v!r}, a {type(v).__name__}: give ints"
+            ) from None
+    return tuple(out)
 
 
 class Layout:
@@ -53,7 +72,12 @@ class Layout:
         tensor_map: Sequence[tuple[str, ...]] | None = None,
         partial: dict[str, str] | None = None,
     ) -> None:
-        mesh_shape = tuple(int(s) for s in mesh_shape)
+        mesh_shape = _int_tuple(mesh_shape, "mesh_shape")
+        if isinstance(alias_names, str):
+            raise HPDTensorTypeError(
+                f"Layout: alias_names={alias_names!r} is a str: give a tuple of names, one per "
+                f"mesh axis, e.g. ({alias_names!r},)"
+            )
         alias_names = tuple(alias_names)
         if not mesh_shape or any(s < 1 for s in mesh_shape):
             raise LayoutError(f"mesh_shape={mesh_shape}: give one positive size per mesh axis")
@@ -70,7 +94,7 @@ class Layout:
         if len(set(alias_names)) != len(alias_names):
             raise LayoutError(f"alias_names={alias_names} repeats a name: names must be unique")
         n = math.prod(mesh_shape)
-        ranks = tuple(range(n)) if rank_list is None else tuple(int(r) for r in rank_list)
+        ranks = tuple(range(n)) if rank_list is None else _int_tuple(rank_list, "rank_list")
         if len(ranks) != n or len(set(ranks)) != n:
             raise LayoutError(
                 f"rank_list has {len(ranks)} entries ({len(set(ranks))} distinct) but mesh_shape="
@@ -94,6 +118,11 @@ class Layout:
         seen: dict[str, int] = {}
         tmap = []
         for i, entry in enumerate(dims):
+            if not isinstance(entry, (str, tuple, list)):
+                raise HPDTensorTypeError(
+                    f"Layout(...)(...): tensor dim {i} is {entry!r}, a {type(entry).__name__}: "
+                    f"give an alias (one of {self._alias_names}), a tuple of aliases, or 'None'"
+                )
             names = (entry,) if isinstance(entry, str) else tuple(entry)
             if names == (_NONE,):
                 tmap.append(())
@@ -199,6 +228,13 @@ class Layout:
         rank_list: Sequence[int] | None = None,
     ) -> Layout:
         """The bound layout equivalent to ``placements`` on a mesh with these axis names."""
+        from ._placement import normalize_placements
+
+        if isinstance(tensor_ndim, bool) or not isinstance(tensor_ndim, int) or tensor_ndim < 0:
+            raise HPDTensorTypeError(
+                f"Layout.from_placements: tensor_ndim={tensor_ndim!r} must be an int >= 0"
+            )
+        placements = normalize_placements(placements, len(tuple(mesh_shape)), tensor_ndim)
         tmap: list[list[str]] = [[] for _ in range(tensor_ndim)]
         partial = {}
         for name, p in zip(alias_names, placements):

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import _groups
 from ._backend import get_platform
-from .errors import MeshError
+from .errors import HPDTensorTypeError, MeshError
 
 __all__ = ["DeviceMesh", "init_device_mesh", "mesh_from_layout"]
 
@@ -30,7 +30,12 @@ def _flatten_nested(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     def walk(x, depth):
         if depth == len(shape):
-            ranks.append(int(x))
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise HPDTensorTypeError(
+                    f"mesh={mesh!r} holds {x!r}, a {type(x).__name__}: give a nested list of int "
+                    "global ranks, e.g. [[0, 1], [2, 3]]"
+                )
+            ranks.append(x)
             return
         if not isinstance(x, (list, tuple)) or len(x) != shape[depth]:
             raise MeshError(f"mesh={mesh!r} is ragged: give a rectangular nested list of ranks")
@@ -39,6 +44,30 @@ def _flatten_nested(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     walk(mesh, 0)
     return tuple(shape), tuple(ranks)
+
+
+def _check_device_type(device_type, fn: str) -> None:
+    if not isinstance(device_type, str):
+        raise HPDTensorTypeError(
+            f"{fn}: device_type={device_type!r} is a {type(device_type).__name__}: give the "
+            "device type as a str, e.g. 'cpu', 'cuda' or 'npu'"
+        )
+
+
+def _check_names(names, fn: str) -> None:
+    if names is None:
+        return
+    if isinstance(names, str):
+        raise HPDTensorTypeError(
+            f"{fn}: mesh_dim_names={names!r} is a str: give a tuple of names, one per mesh "
+            f"dimension, e.g. ({names!r},)"
+        )
+    for n in names:
+        if not isinstance(n, str):
+            raise HPDTensorTypeError(
+                f"{fn}: mesh_dim_names={tuple(names)!r} holds {n!r}, a {type(n).__name__}: "
+                "names are strs"
+            )
 
 
 class DeviceMesh:
@@ -83,8 +112,21 @@ class DeviceMesh:
         *,
         mesh_dim_names: Sequence[str] | None = None,
     ) -> None:
+        _check_device_type(device_type, "DeviceMesh")
+        _check_names(mesh_dim_names, "DeviceMesh")
         shape, ranks = _flatten_nested(mesh)
+        if 0 in shape:
+            raise MeshError(f"mesh={mesh!r} has a dimension of size 0: give at least one rank")
         self._setup(device_type, shape, ranks, mesh_dim_names, root=None, root_dims=None)
+        platform = get_platform(device_type)
+        if platform.is_initialized():  # the same answer on every rank, before any group exists
+            world = platform.get_world_size()
+            bad = [r for r in self._ranks if not 0 <= r < world]
+            if bad:
+                raise MeshError(
+                    f"mesh ranks {bad} are not ranks of the default group (world size {world}): "
+                    f"give global ranks in [0, {world})"
+                )
         self._create_groups()
 
     # -- construction ----------------------------------------------------------------------
@@ -182,7 +224,15 @@ class DeviceMesh:
 
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh along the named dimensions that holds this rank."""
-        key = (names,) if isinstance(names, str) else tuple(names)
+        if isinstance(names, str):
+            key = (names,)
+        elif isinstance(names, (tuple, list)):
+            key = tuple(names)
+        else:
+            raise HPDTensorTypeError(
+                f"mesh[{names!r}]: mesh dims are selected by name, e.g. mesh['dp'] or "
+                f"mesh['dp', 'tp']; this mesh's names are {self._names}"
+            )
         cached = self._children.get(key)
         if cached is not None:
             return cached
@@ -238,6 +288,11 @@ class DeviceMesh:
 
         ``mesh["dp", "cp"].flatten("dp_cp")`` makes ``mesh["dp_cp"]`` available afterwards.
         """
+        if mesh_dim_name is not None and not isinstance(mesh_dim_name, str):
+            raise HPDTensorTypeError(
+                f"flatten: mesh_dim_name={mesh_dim_name!r} is a {type(mesh_dim_name).__name__}: "
+                "give the new dimension's name as a str (or None)"
+            )
         names = self._names or tuple(str(d) for d in range(self.ndim))
         name = mesh_dim_name or "_".join(names)
         root = self._root
@@ -359,9 +414,18 @@ def init_device_mesh(
 
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
     """
+    _check_device_type(device_type, "init_device_mesh")
+    if isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__"):
+        raise HPDTensorTypeError(
+            f"init_device_mesh: mesh_shape={mesh_shape!r} is a {type(mesh_shape).__name__}: give "
+            "a tuple of sizes, one per mesh dimension, e.g. (8,) or (2, 4)"
+        )
     mesh_shape = tuple(mesh_shape)
-    if not mesh_shape or any((not isinstance(s, int)) or s < 1 for s in mesh_shape):
+    if not mesh_shape or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in mesh_shape
+    ):
         raise MeshError(f"mesh_shape={mesh_shape}: give one positive int per mesh dimension")
+    _check_names(mesh_dim_names, "init_device_mesh")
     _groups.init_process_group(device_type=device_type)
     platform = get_platform(device_type)
     world = platform.get_world_size()
@@ -386,6 +450,14 @@ def mesh_from_layout(layout, device_type: str = "cpu") -> DeviceMesh:
 
     Meshes over the same ranks share their process groups, so calling this twice is cheap.
     """
+    from ._layout import Layout
+
+    if not isinstance(layout, Layout):
+        raise HPDTensorTypeError(
+            f"mesh_from_layout: layout={layout!r} is a {type(layout).__name__}, not a Layout: "
+            "give e.g. Layout((2, 2), ('dp', 'tp'))"
+        )
+    _check_device_type(device_type, "mesh_from_layout")
     shape = layout.mesh_shape
     nested: Any = list(layout.rank_list)
     for s in reversed(shape[1:]):

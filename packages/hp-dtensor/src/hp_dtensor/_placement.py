@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PlacementError
+from .errors import HPDTensorTypeError, PlacementError
 
 __all__ = ["Partial", "Placement", "Replicate", "Shard", "REDUCE_OPS"]
 
@@ -100,7 +100,12 @@ def normalize_placements(
     """
     if isinstance(placements, Placement):
         placements = (placements,)
-    placements = tuple(placements)
+    elif isinstance(placements, (str, bytes, type)):
+        _not_a_sequence(placements, arg)
+    try:
+        placements = tuple(placements)
+    except TypeError:
+        _not_a_sequence(placements, arg)
     if len(placements) > mesh_ndim:
         raise PlacementError(
             f"{arg}={_fmt(placements)} has {len(placements)} entries but the mesh has "
@@ -130,6 +135,13 @@ def normalize_placements(
             "would depend on the reduction order; reduce one of them first"
         )
     return tuple(out)
+
+
+def _not_a_sequence(placements, arg: str):
+    raise HPDTensorTypeError(
+        f"{arg}={placements!r} is a {type(placements).__name__}, not a sequence of placements: "
+        "give a list such as [Shard(0)] or [Replicate(), Shard(1)], one per mesh dimension"
+    )
 
 
 def _fmt(placements) -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ._placement import Partial, Placement, Replicate, Shard, format_placements
+from .errors import HPDTensorTypeError, PlacementError
 
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "COMM_KINDS"]
 
@@ -123,8 +124,49 @@ def _cost(kind: str, n: int, local_before: float, local_after: float) -> float:
     return _LOCAL_COST * max(local_before, local_after)
 
 
+def _check_args(mesh_shape, src, dst, global_shape) -> None:
+    """Raise a typed error naming the argument of ``plan_redistribute`` that does not fit."""
+    for arg, sizes, low in (("mesh_shape", mesh_shape, 1), ("global_shape", global_shape, 0)):
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+            raise HPDTensorTypeError(f"plan_redistribute: {arg}={sizes!r} must be a tuple of ints")
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise HPDTensorTypeError(
+                    f"plan_redistribute: {arg}={tuple(sizes)!r} holds {s!r}: give ints"
+                )
+            if s < low:
+                raise PlacementError(
+                    f"plan_redistribute: {arg}={tuple(sizes)} holds {s}: sizes must be >= {low}"
+                )
+    ndim, tdim = len(tuple(mesh_shape)), len(tuple(global_shape))
+    for arg, pl in (("src", src), ("dst", dst)):
+        if isinstance(pl, (str, bytes)) or not hasattr(pl, "__iter__"):
+            raise HPDTensorTypeError(
+                f"plan_redistribute: {arg}={pl!r} must be a tuple of placements, one per mesh "
+                "dimension"
+            )
+        pl = tuple(pl)
+        if len(pl) != ndim:
+            raise PlacementError(
+                f"plan_redistribute: {arg}={pl} has {len(pl)} entries for a {ndim}-D mesh: give "
+                "one placement per mesh dimension"
+            )
+        for i, p in enumerate(pl):
+            if not isinstance(p, Placement):
+                raise PlacementError(
+                    f"plan_redistribute: {arg}[{i}]={p!r} is not a placement: use Shard(dim), "
+                    "Replicate() or Partial()"
+                )
+            if isinstance(p, Shard) and not 0 <= p.dim < tdim:
+                raise PlacementError(
+                    f"plan_redistribute: {arg}[{i}]={p!r} is out of range for global_shape "
+                    f"{tuple(global_shape)}: give a shard dim in [0, {tdim})"
+                )
+
+
 @lru_cache(maxsize=8192)
 def _plan(mesh_shape, src, dst, global_shape) -> RedistributePlan:
+    _check_args(mesh_shape, src, dst, global_shape)  # once per cache entry
     ndim = len(mesh_shape)
     # Size-1 mesh dimensions hold the whole tensor: relabel them without a step.
     start = tuple(dst[d] if mesh_shape[d] == 1 else src[d] for d in range(ndim))
@@ -187,4 +229,8 @@ def plan_redistribute(
     >>> str(plan_redistribute((2, 2), (Shard(0), Shard(0)), (Replicate(), Replicate()), (8, 4)))
     '(S(0), S(0)) -> (R, R): all_gather[1](S(0)->R) ; all_gather[0](S(0)->R)'
     """
-    return _plan(tuple(mesh_shape), tuple(src), tuple(dst), tuple(global_shape))
+    try:
+        return _plan(tuple(mesh_shape), tuple(src), tuple(dst), tuple(global_shape))
+    except TypeError:  # not a tuple or unhashable: say which argument
+        _check_args(mesh_shape, src, dst, global_shape)
+        raise

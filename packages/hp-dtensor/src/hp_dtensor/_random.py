@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import get_platform
+from ._checks import check_mesh
 from ._mesh import DeviceMesh
 from .errors import ShardingError
 
@@ -30,6 +31,7 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
     """
     if not isinstance(seed, int):
         raise ShardingError(f"seed={seed!r} must be an int")
+    check_mesh(device_mesh, "device_mesh", "manual_seed")
     coord = device_mesh.get_coordinate()
     if coord is None:
         return

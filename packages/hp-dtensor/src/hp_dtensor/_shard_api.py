@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 
 from . import _dtensor
+from ._checks import check_bool, check_module
 from ._dtensor import DTensor, distribute_tensor
 from ._layout import Layout
 from ._mesh import DeviceMesh, mesh_from_layout
 from ._placement import Placement
-from .errors import LayoutError, MeshError
+from .errors import HPDTensorTypeError, LayoutError, MeshError
 
 __all__ = ["shard_module", "custom_shard", "DFunction", "SkipDTensorDispatch"]
 
@@ -66,15 +67,44 @@ def _check_len(values, layouts, arg):
         )
 
 
+def _check_layouts(layouts, arg: str) -> None:
+    """``layouts``: a tuple/list whose entries are None, a bound Layout, a placement or a
+    tuple of placements (what ``_to_layout`` takes)."""
+    if not isinstance(layouts, (tuple, list)):
+        raise HPDTensorTypeError(
+            f"{arg}={layouts!r} is a {type(layouts).__name__}: give a tuple with one entry per "
+            "value (a bound Layout, a tuple of placements, or None)"
+        )
+    for i, lay in enumerate(layouts):
+        if lay is None or isinstance(lay, Placement):
+            continue
+        if isinstance(lay, Layout):
+            if lay.tensor_map is None:
+                raise LayoutError(
+                    f"{arg}[{i}] is an unbound Layout: bind it to the tensor's dims first, "
+                    "e.g. layout('dp', 'None')"
+                )
+            continue
+        if not isinstance(lay, (tuple, list)) or not all(isinstance(p, Placement) for p in lay):
+            raise LayoutError(f"{arg}[{i}]={lay!r} must be a bound Layout or a tuple of placements")
+
+
+def _check_dict(value, arg: str) -> dict:
+    if not isinstance(value, dict):
+        raise HPDTensorTypeError(f"{arg}={value!r} is a {type(value).__name__}: give a dict")
+    return value
+
+
 def check_sharding_plan(sharding_plan: dict, param_ndims: dict, owner: str):
     """``(parameter layouts, forward spec)`` of a ``shard_module`` plan, checked against the
     module's parameters (dotted name -> ndim) before anything moves. Framework-neutral."""
+    _check_dict(sharding_plan, "sharding_plan")
     unknown = set(sharding_plan) - {"parameter", "forward"}
     if unknown:
         raise LayoutError(
             f"sharding_plan keys {sorted(unknown)} unknown: use 'parameter' and 'forward'"
         )
-    params = dict(sharding_plan.get("parameter", {}))
+    params = dict(_check_dict(sharding_plan.get("parameter", {}), "sharding_plan['parameter']"))
     for name, lay in params.items():
         if name not in param_ndims:
             raise LayoutError(
@@ -88,7 +118,19 @@ def check_sharding_plan(sharding_plan: dict, param_ndims: dict, owner: str):
                 f"Layout for {name!r} has {len(lay.tensor_map)} dims, the parameter has "
                 f"{param_ndims[name]}"
             )
-    return params, dict(sharding_plan.get("forward", {}))
+    fwd = dict(_check_dict(sharding_plan.get("forward", {}), "sharding_plan['forward']"))
+    unknown = set(fwd) - {"input", "output", "use_local_output"}
+    if unknown:
+        raise LayoutError(
+            f"sharding_plan['forward'] keys {sorted(unknown)} unknown: use 'input', 'output' "
+            "and 'use_local_output'"
+        )
+    for key in ("input", "output"):
+        if fwd.get(key) is not None:
+            _check_layouts(fwd[key], f"sharding_plan['forward'][{key!r}]")
+    if "use_local_output" in fwd:
+        check_bool(fwd["use_local_output"], "sharding_plan['forward']['use_local_output']")
+    return params, fwd
 
 
 def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
@@ -112,6 +154,7 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
     """
     from .parallel._style import _is_ms_cell
 
+    check_module(module, "module", "shard_module", cells=True)
     if _is_ms_cell(module):
         from ._backend._ms_shard import shard_cell
 
@@ -190,6 +233,13 @@ def custom_shard(
         lay = Layout((2, 2), ("dp", "tp"))("dp", "tp")
         fused_gelu = custom_shard(my_kernel, in_layouts=(lay,), out_layouts=(lay,))
     """
+    if not callable(fn):
+        raise HPDTensorTypeError(
+            f"custom_shard: fn={fn!r} is a {type(fn).__name__}, not callable: pass the function "
+            "on local tensors"
+        )
+    _check_layouts(in_layouts, "custom_shard: in_layouts")
+    _check_layouts(out_layouts, "custom_shard: out_layouts")
     in_layouts = tuple(in_layouts)
     out_layouts = tuple(out_layouts)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ._placement import Placement, Shard
+from .errors import PlacementError
 
 __all__ = [
     "chunk_size_and_offset",
@@ -27,6 +28,11 @@ def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, 
     >>> [chunk_size_and_offset(5, 4, i) for i in range(4)]
     [(2, 0), (2, 2), (1, 4), (0, 5)]
     """
+    if num_chunks < 1 or not 0 <= index < num_chunks or size < 0:
+        raise PlacementError(
+            f"chunk_size_and_offset(size={size}, num_chunks={num_chunks}, index={index}): give "
+            "size >= 0, num_chunks >= 1 and an index in [0, num_chunks)"
+        )
     step = -(-size // num_chunks) if size else 0
     start = min(step * index, size)
     end = min(start + step, size)
@@ -46,9 +52,25 @@ def local_shape_and_offset(
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise PlacementError(
+            f"local_shape_and_offset: mesh_shape={tuple(mesh_shape)}, coordinate="
+            f"{tuple(coordinate)} and placements={tuple(placements)} must have one entry per "
+            "mesh dimension each"
+        )
     for size, coord, p in zip(mesh_shape, coordinate, placements):
+        if not isinstance(p, Placement):
+            raise PlacementError(
+                f"local_shape_and_offset: placements holds {p!r}, not a placement: use "
+                "Shard(dim), Replicate() or Partial()"
+            )
         if isinstance(p, Shard):
             d = p.dim
+            if not 0 <= d < len(shape):
+                raise PlacementError(
+                    f"local_shape_and_offset: {p!r} is out of range for global_shape "
+                    f"{tuple(global_shape)}: give a shard dim in [0, {len(shape)})"
+                )
             length, start = chunk_size_and_offset(shape[d], size, coord)
             shape[d] = length
             offset[d] += start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._checks import check_mesh
 from ._placement import Partial, Placement, Shard, normalize_placements
 from ._shard_math import local_shape_and_offset
 from .errors import PlacementError, ShardingError
@@ -110,6 +111,8 @@ def redistribute_target(spec: DTensorSpec, device_mesh, placements) -> tuple[Pla
     """The normalised placements a ``redistribute(device_mesh, placements)`` call asks for,
     checked (same mesh, placements given) for either framework's DTensor."""
     mesh = spec.mesh if device_mesh is None else device_mesh
+    if mesh is not spec.mesh:
+        check_mesh(mesh, "device_mesh", "redistribute")
     if mesh != spec.mesh:
         raise ShardingError(
             f"device_mesh={mesh} differs from this tensor's mesh {spec.mesh}: redistributing "

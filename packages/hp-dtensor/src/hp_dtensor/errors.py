@@ -11,6 +11,7 @@ __all__ = [
     "BackendError",
     "ContextParallelError",
     "HPDTensorError",
+    "HPDTensorTypeError",
     "LayoutError",
     "MeshError",
     "PlacementError",
@@ -20,6 +21,11 @@ __all__ = [
 
 class HPDTensorError(Exception):
     """Base class of every error hp_dtensor raises on purpose."""
+
+
+class HPDTensorTypeError(HPDTensorError, TypeError):
+    """An argument of the wrong type (a str where a ``DeviceMesh`` is expected, a list where a
+    tensor is expected...); the message names the argument and the type to pass instead."""
 
 
 class PlacementError(HPDTensorError, ValueError):

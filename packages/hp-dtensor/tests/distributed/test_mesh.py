@@ -176,3 +176,29 @@ def test_layout_and_run_check(pool):
     assert [s for s, _ in res] == [(7, 2)] * 4
     # along tp (mesh dim 1) rank 1 takes rank 0's values and rank 3 takes rank 2's
     assert [v for _, v in res] == [0.0, 0.0, 2.0, 2.0]
+
+
+def _adopt():
+    r = dist.get_rank()
+    theirs = dist.new_group([0, 1, 2])  # made outside hp_dtensor (every rank takes part)
+    other = dist.new_group([0, 1, 2])  # a second group over the same ranks
+    out = {}
+    if r < 3:
+        hp.mark_created_groups([theirs])
+        hp.mark_created_groups(theirs)  # the same group again: nothing changes
+        out["reused"] = hp.new_group([2, 1, 0]) is theirs
+        out["listed"] = hp._groups.created_groups()[(0, 1, 2)] is theirs
+        with pytest.raises(MeshError, match=r"groups\[0\] spans ranks \[0, 1, 2\]"):
+            hp.mark_created_groups(other)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=hp.new_group([0, 1, 2]))
+        out["sum"] = t.item()
+    with pytest.raises(MeshError, match=r"groups\[1\] \(str\) is not a process group"):
+        hp.mark_created_groups([dist.group.WORLD, "dp"])
+    return out
+
+
+def test_mark_created_groups_adopts_outside_groups(pool):
+    res = pool.run(_adopt)
+    assert res[:3] == [{"reused": True, "listed": True, "sum": 3.0}] * 3
+    assert res[3] == {}

@@ -3,6 +3,7 @@
 from ._api import (
     CPUOffloadPolicy,
     FSDPError,
+    FSDPTypeError,
     HSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPError",
+    "FSDPTypeError",
     "HSDPModule",
     "MixedPrecisionPolicy",
     "fully_shard",

@@ -11,7 +11,9 @@ all-reduced across replicas for HSDP) into the sharded parameters' ``.grad``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ from ._state import reduce_now
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPError",
+    "FSDPTypeError",
     "HSDPModule",
     "MixedPrecisionPolicy",
     "fully_shard",
@@ -38,6 +41,32 @@ __all__ = [
 
 class FSDPError(ValueError):
     """A ``fully_shard`` call that cannot work; the message names the argument and the fix."""
+
+
+class FSDPTypeError(FSDPError, TypeError):
+    """An argument of the wrong type (a str where a ``DeviceMesh`` is expected, a dtype where a
+    ``MixedPrecisionPolicy`` is...); also a ``TypeError``. The message names the argument and
+    the type to pass."""
+
+
+def _check_bool(value, arg: str) -> None:
+    if not isinstance(value, bool):
+        raise FSDPTypeError(f"{arg}={value!r} must be True or False")
+
+
+def _check_dtype(value, arg: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise FSDPTypeError(
+            f"MixedPrecisionPolicy: {arg}={value!r} is a {type(value).__name__}: give a "
+            "torch.dtype such as torch.bfloat16 (or None)"
+        )
+    if not value.is_floating_point:
+        raise FSDPError(
+            f"MixedPrecisionPolicy: {arg}={value} is not a floating-point dtype: give e.g. "
+            "torch.bfloat16, torch.float16 or torch.float32 (or None)"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,6 +86,11 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for arg in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_dtype(getattr(self, arg), arg)
+        _check_bool(self.cast_forward_inputs, "MixedPrecisionPolicy: cast_forward_inputs")
+
 
 @dataclass(frozen=True)
 class CPUOffloadPolicy:
@@ -65,6 +99,9 @@ class CPUOffloadPolicy:
     ``pin_memory`` pins the CPU shards so the copies can overlap (when an accelerator exists)."""
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self.pin_memory, "CPUOffloadPolicy: pin_memory")
 
 
 class _UnshardHandle:
@@ -87,6 +124,7 @@ class HSDPModule:
         """All-gather this group's parameters now (e.g. to prefetch). With ``async_op`` the
         all-gather is only started and a handle is returned whose ``wait()`` finishes it (the
         next forward of the module also does)."""
+        _check_bool(async_op, "unshard: async_op")
         self._hp_fsdp.unshard(async_op=async_op)
         return _UnshardHandle(self._hp_fsdp) if async_op else None
 
@@ -97,6 +135,7 @@ class HSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """With False, gradients accumulate unsharded, without communication, until a backward
         with True reduces everything accumulated."""
+        _check_bool(requires_gradient_sync, "set_requires_gradient_sync: requires_gradient_sync")
         for g in _groups(self, recurse):
             g.sync = bool(requires_gradient_sync)
 
@@ -105,6 +144,12 @@ class HSDPModule:
     ) -> None:
         """Free unsharded parameters after forward (gather again in backward) or keep them;
         None restores the default (free, except the root's)."""
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise FSDPTypeError(
+                f"set_reshard_after_forward: reshard_after_forward={reshard_after_forward!r} "
+                "must be True, False or None (an int k is taken by "
+                "fully_shard(reshard_after_forward=k) only)"
+            )
         for g in _groups(self, recurse):
             g.reshard_after_forward = (
                 True if reshard_after_forward is None else bool(reshard_after_forward)
@@ -114,19 +159,29 @@ class HSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Free unsharded parameters after backward (default) or keep them for the next step."""
+        _check_bool(reshard_after_backward, "set_reshard_after_backward: reshard_after_backward")
         for g in _groups(self, recurse):
             g.reshard_after_backward = bool(reshard_after_backward)
 
     def set_gradient_scaling_factor(self, factor: float) -> None:
         """Multiply this group's gradients by ``factor`` once, before they are reduced."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise FSDPTypeError(
+                f"set_gradient_scaling_factor: factor={factor!r} is a {type(factor).__name__}: "
+                "give a float, e.g. 1 / ep"
+            )
+        if not math.isfinite(factor):
+            raise FSDPError(f"set_gradient_scaling_factor: factor={factor} must be finite")
         self._hp_fsdp.grad_scale = float(factor)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' parameters as soon as this module's forward starts."""
+        modules = _module_list(modules, "set_modules_to_forward_prefetch")
         self._hp_fsdp.forward_prefetch = [_group_of(m, "modules") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' parameters as soon as this module's backward starts."""
+        modules = _module_list(modules, "set_modules_to_backward_prefetch")
         self._hp_fsdp.backward_prefetch = [_group_of(m, "modules") for m in modules]
 
     def reduce_gradients(self) -> None:
@@ -143,20 +198,32 @@ class HSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility. Every backward here finishes its reductions before
         it returns, so there is nothing to defer; the flag changes no result."""
+        _check_bool(is_last_backward, "set_is_last_backward: is_last_backward")
         for g in _groups(self, True):
             g.is_last_backward = bool(is_last_backward)
 
 
 def _groups(module: nn.Module, recurse: bool) -> list[ParamGroup]:
+    _check_bool(recurse, "recurse")
     if not recurse:
         return [module._hp_fsdp]
     return [m._hp_fsdp for m in module.modules() if isinstance(m, HSDPModule)]
 
 
+def _module_list(modules, fn: str) -> list:
+    if not isinstance(modules, (list, tuple)):
+        raise FSDPTypeError(
+            f"{fn}: modules={type(modules).__name__}: give a list of modules that fully_shard "
+            "was applied to, e.g. [model.layers[1]]"
+        )
+    return list(modules)
+
+
 def _group_of(module: nn.Module, arg: str) -> ParamGroup:
     if not isinstance(module, HSDPModule):
         raise FSDPError(
-            f"{arg} holds a {type(module).__name__} that fully_shard was not applied to"
+            f"{arg} holds a {type(module).__name__} that fully_shard was not applied to: apply "
+            "fully_shard to it first, or leave it out"
         )
     return module._hp_fsdp
 
@@ -193,7 +260,9 @@ def fully_shard(
     them again in backward; False keeps them; an int k keeps this rank's 1/k and gathers
     within groups of k ranks in backward; None (default) is True except for the root (the
     outermost ``fully_shard`` module), which backward needs first (FSDP2's default too).
-    Everything is checked before any parameter moves.
+    ``mp_policy=None`` is the default policy (no mixed precision). Everything is checked before
+    any parameter moves: an argument of the wrong type raises ``FSDPTypeError``, one that does
+    not fit ``FSDPError``.
 
     Example::
 
@@ -201,6 +270,11 @@ def fully_shard(
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     """
+    ignored_params = _check_args(
+        module, mesh, shard_placement_fn, mp_policy, offload_policy, ignored_params
+    )
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
     if _is_ms_cell(module):
         from ._backend._mindspore import fully_shard_cell
 
@@ -246,8 +320,6 @@ def fully_shard(
             f"that divides the shard group size {shard_size} with 1 < k < {shard_size} (backward "
             "then gathers within groups of k consecutive ranks, e.g. one node)"
         )
-    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise FSDPError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
     ignored = {id(p) for p in (ignored_params or ())}
     owned: dict[int, nn.Module] = {}
     replaced: dict[int, nn.Module] = {}  # tensors a submodule's group sharded (and replaced)
@@ -347,6 +419,55 @@ def fully_shard(
     return module
 
 
+def _check_args(module, mesh, shard_placement_fn, mp_policy, offload_policy, ignored_params):
+    """The types of ``fully_shard``'s arguments, checked before anything else happens;
+    returns ``ignored_params`` as a list (None stays None), so an iterator is read once."""
+    if not isinstance(module, nn.Module) and not _is_ms_cell(module):
+        what = (
+            f"the class {module.__name__}, not an instance"
+            if isinstance(module, type)
+            else f"a {type(module).__name__}"
+        )
+        raise FSDPTypeError(
+            f"fully_shard: module is {what}: pass an nn.Module instance (a block, then the root)"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        kind = type(mesh).__name__
+        if kind == "DeviceMesh":  # torch.distributed's: say whose
+            kind = f"{type(mesh).__module__}.{kind}"
+        raise FSDPTypeError(
+            f"fully_shard: mesh={mesh!r} is a {kind}, not an hp_dtensor DeviceMesh: pass "
+            "mesh=hp_dtensor.init_device_mesh(...) or a sub-mesh such as mesh['dp'] (or None "
+            "for all ranks)"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise FSDPTypeError(
+            f"fully_shard: shard_placement_fn={shard_placement_fn!r} is not callable: give a "
+            "function param -> Shard(dim) | None (or None)"
+        )
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise FSDPTypeError(
+            f"fully_shard: mp_policy={mp_policy!r} is a {type(mp_policy).__name__}: give a "
+            "MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise FSDPTypeError(f"offload_policy={offload_policy!r}: give a CPUOffloadPolicy (or None)")
+    if ignored_params is not None:
+        if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
+            raise FSDPTypeError(
+                f"fully_shard: ignored_params is a {type(ignored_params).__name__}: give a set "
+                "or list of parameters (or None)"
+            )
+        ignored_params = list(ignored_params)
+        for p in ignored_params:
+            if not isinstance(p, torch.Tensor):
+                raise FSDPTypeError(
+                    f"fully_shard: ignored_params holds {p!r}, a {type(p).__name__}: give the "
+                    "parameters themselves (module.weight), not their names"
+                )
+    return ignored_params
+
+
 def _is_ms_cell(module) -> bool:
     """A MindSpore ``nn.Cell``, told without importing MindSpore."""
     if isinstance(module, nn.Module):
@@ -385,6 +506,11 @@ def hsdp_sync_stream() -> None:
 def get_full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict:
     """The unsharded state dict (a collective: call on every rank); empty on other ranks when
     ``rank0_only``."""
+    if not isinstance(module, nn.Module):
+        raise FSDPTypeError(
+            f"get_full_state_dict: module is a {type(module).__name__}: pass the nn.Module"
+        )
+    _check_bool(rank0_only, "get_full_state_dict: rank0_only")
     out = {}
     for k, v in module.state_dict().items():
         out[k] = v.full_tensor() if isinstance(v, DTensor) else v
@@ -396,7 +522,35 @@ def get_full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict:
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     """Load an unsharded state dict into a sharded module (every rank passes the full values),
     replacing parameters (``assign`` semantics) so optimizer device checks pass."""
+    if not isinstance(module, nn.Module):
+        raise FSDPTypeError(
+            f"load_full_state_dict: module is a {type(module).__name__}: pass the nn.Module"
+        )
+    if not isinstance(state_dict, Mapping):
+        raise FSDPTypeError(
+            f"load_full_state_dict: state_dict is a {type(state_dict).__name__}: give a dict "
+            "of full tensors (get_full_state_dict's result)"
+        )
     current = module.state_dict()
+    missing = [k for k in current if k not in state_dict]
+    if missing:
+        raise FSDPError(
+            f"load_full_state_dict: state_dict lacks {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + ": give every key of module.state_dict()"
+        )
+    for k, v in current.items():
+        full = state_dict[k]
+        if not isinstance(full, torch.Tensor) or isinstance(full, DTensor):
+            raise FSDPTypeError(
+                f"load_full_state_dict: state_dict[{k!r}] is a {type(full).__name__}: give the "
+                "full (unsharded) torch.Tensor"
+            )
+        if tuple(full.shape) != tuple(v.shape):
+            raise FSDPError(
+                f"load_full_state_dict: state_dict[{k!r}] has shape {tuple(full.shape)} but the "
+                f"module's is {tuple(v.shape)}: give the full (unsharded) tensor"
+            )
     new = {}
     for k, v in current.items():
         full = state_dict[k]

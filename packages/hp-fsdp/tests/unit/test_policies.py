@@ -1,10 +1,10 @@
 import dataclasses
-import types
 
 import pytest
 import torch
 import torch.nn as nn
 
+from hp_dtensor import DeviceMesh
 from hp_fsdp import CPUOffloadPolicy, FSDPError, MixedPrecisionPolicy, fully_shard
 
 
@@ -17,11 +17,18 @@ def test_policies_are_frozen_values():
     assert CPUOffloadPolicy().pin_memory is True
 
 
+def _fake_mesh(shape):
+    """A DeviceMesh of ``shape`` without process groups: enough for checks that read its shape."""
+    mesh = DeviceMesh.__new__(DeviceMesh)
+    mesh._shape = tuple(shape)
+    return mesh
+
+
 def test_bad_arguments_fail_before_any_communication():
-    fake3d = types.SimpleNamespace(ndim=3)
+    fake3d = _fake_mesh((1, 2, 2))
     with pytest.raises(FSDPError, match="3 dims"):
         fully_shard(nn.Linear(2, 2), mesh=fake3d)
-    fake1d = types.SimpleNamespace(ndim=1, shape=(4,))
+    fake1d = _fake_mesh((4,))
     with pytest.raises(FSDPError, match="reshard_after_forward=3"):
         fully_shard(nn.Linear(2, 2), mesh=fake1d, reshard_after_forward=3)
     with pytest.raises(FSDPError, match="offload_policy"):

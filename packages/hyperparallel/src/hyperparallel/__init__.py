@@ -23,9 +23,16 @@ from hp_dtensor import (
     Partial,
     Replicate,
     Shard,
+    destroy_process_group,
     distribute_module,
     distribute_tensor,
+    get_backend,
+    get_group_local_rank,
+    get_process_group_ranks,
     init_device_mesh,
+    init_process_group,
+    mark_created_groups,
+    split_group,
 )
 from hp_dtensor.parallel import (
     ColwiseParallel,
@@ -44,6 +51,7 @@ from hp_moe import (
     MoE,
     TokenChoiceTopKRouter,
     register_expert_bias_update,
+    reset_statistics,
     update_expert_bias,
 )
 from hp_offload import OffloadPlan, checkpoint_wrapper, swap_wrapper
@@ -107,5 +115,13 @@ __all__ = [
     "register_expert_bias_update",
     "swap_wrapper",
     "trainer",
+    "reset_statistics",
     "update_expert_bias",
+    "destroy_process_group",
+    "get_backend",
+    "get_group_local_rank",
+    "get_process_group_ranks",
+    "init_process_group",
+    "mark_created_groups",
+    "split_group",
 ]

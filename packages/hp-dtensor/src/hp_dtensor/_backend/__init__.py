@@ -16,7 +16,7 @@ import importlib
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import BackendError
+from ..errors import BackendError, HPDTensorTypeError
 
 __all__ = [
     "Platform",
@@ -111,6 +111,18 @@ _INSTANCES: dict[str, Platform] = {}
 
 def register_platform(name: str, target: str, *, device_types: tuple[str, ...] = ()) -> None:
     """Register a backend as ``"module:Class"``; optionally make it the default for device types."""
+    if not isinstance(name, str) or not name:
+        raise HPDTensorTypeError(f"register_platform: name={name!r} must be a non-empty str")
+    if not isinstance(target, str) or ":" not in target:
+        raise BackendError(
+            f"register_platform: target={target!r} must be a str 'module:Class' (the class, or "
+            "a factory, that implements the Platform protocol)"
+        )
+    if isinstance(device_types, str) or not all(isinstance(d, str) for d in device_types):
+        raise HPDTensorTypeError(
+            f"register_platform: device_types={device_types!r} must be a tuple of strs, e.g. "
+            "('npu',)"
+        )
     _REGISTRY[name] = target
     for dt in device_types:
         _DEVICE_TYPE_BACKEND[dt] = name

@@ -330,8 +330,9 @@ def _global_shape(local, mesh, placements) -> tuple[int, ...]:
 
 def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank: int | None = 0):
     """Split a whole MindSpore tensor into an ``MSDTensor`` with ``placements``. With
-    ``src_data_rank=0`` the first rank's values are used everywhere (broadcast along each mesh
-    dimension); with ``None`` every rank must pass equal values."""
+    ``src_data_rank=k`` (default 0: the first rank) the values at index ``k`` along each mesh
+    dimension are used everywhere (broadcast along each mesh dimension; ``hp_dtensor.
+    distribute_tensor`` checks ``k``); with ``None`` every rank must pass equal values."""
     _check_mesh(device_mesh, "tensor")
     placements = normalize_placements(
         placements if placements is not None else (), device_mesh.ndim, tensor.ndim
@@ -342,7 +343,7 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank: in
         full = platform.clone(tensor)
         for d in range(device_mesh.ndim):
             if device_mesh.shape[d] > 1:
-                root = device_mesh._line(d)[0]
+                root = device_mesh._line(d)[src_data_rank]
                 platform.broadcast(full, root, device_mesh._groups[d])
     shape = tuple(full.shape)
     spec = DTensorSpec(device_mesh, placements, shape, contiguous_strides(shape), full.dtype)

@@ -25,7 +25,7 @@ import mindspore as ms
 from mindspore import nn
 
 from .._placement import Partial, Replicate, Shard
-from ..errors import PlacementError
+from ..errors import HPDTensorTypeError, PlacementError
 from ..parallel._style import input_hook, output_hook
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
@@ -52,12 +52,12 @@ def validate_linear_style(style, cell, mesh, path: str, kind: str) -> None:
     name = type(style).__name__
     where = repr(path) if path else f"the {type(cell).__name__} given"  # mesh checked by caller
     if not isinstance(cell, (nn.Dense, nn.Embedding)):
-        raise TypeError(
+        raise HPDTensorTypeError(
             f"{name} applies to MindSpore nn.Dense and nn.Embedding; {where} is a "
             f"{type(cell).__name__}"
         )
     if kind == "rowwise" and isinstance(cell, nn.Embedding):
-        raise TypeError(
+        raise HPDTensorTypeError(
             f"RowwiseParallel on a MindSpore nn.Embedding ({where}) is not supported yet: use "
             "ColwiseParallel (embedding dim split) for it"
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._placement import Partial, Placement, Replicate
+from ..errors import HPDTensorTypeError
 
 __all__ = [
     "Call",
@@ -106,8 +107,18 @@ def register_sharding_rule(names: str | Sequence[str], rule: Rule | None = None)
     """
     if isinstance(names, str):
         names = (names,)
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise HPDTensorTypeError(
+            f"register_sharding_rule: names={names!r} must be an op name (a str such as 'add') "
+            "or a list of them"
+        )
 
     def deco(fn: Rule) -> Rule:
+        if not callable(fn):
+            raise HPDTensorTypeError(
+                f"register_sharding_rule: rule={fn!r} is a {type(fn).__name__}, not callable: "
+                "give a function Call -> Strategy | None"
+            )
         for n in names:
             _RULES[n] = fn
         return fn

@@ -7,8 +7,9 @@ import fnmatch
 
 import torch.nn as nn
 
+from .._checks import check_mesh, check_module
 from .._mesh import DeviceMesh
-from ..errors import MeshError, PlacementError
+from ..errors import HPDTensorTypeError, MeshError, PlacementError
 from ._style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -36,15 +37,22 @@ def parallelize_module(
             "feed_forward.w*": ColwiseParallel(),
         })
     """
+    check_module(module, "module", "parallelize_module", cells=True)
+    check_mesh(device_mesh, "device_mesh", "parallelize_module")
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.validate(module, device_mesh, "")
         if parallelize_plan.splits_heads:
             _check_heads(module, "", device_mesh)
         return parallelize_plan.apply(module, device_mesh)
     if not isinstance(parallelize_plan, dict):
-        raise TypeError(
+        hint = (
+            ": instantiate it, e.g. ColwiseParallel()"
+            if isinstance(parallelize_plan, type) and issubclass(parallelize_plan, ParallelStyle)
+            else ""
+        )
+        raise HPDTensorTypeError(
             f"parallelize_plan must be a ParallelStyle or a dict of path -> style, got "
-            f"{type(parallelize_plan).__name__}"
+            f"{parallelize_plan!r}{hint}"
         )
     if hasattr(module, "named_modules"):
         named = module.named_modules()
@@ -53,8 +61,16 @@ def parallelize_module(
     names = {name: mod for name, mod in named if name}
     todo: list[tuple[str, nn.Module, ParallelStyle]] = []
     for key, style in parallelize_plan.items():
+        if not isinstance(key, str):
+            raise HPDTensorTypeError(
+                f"parallelize_plan key {key!r} is a {type(key).__name__}: keys are module paths "
+                "(strs such as 'layers.0.attention.wq', globs allowed)"
+            )
         if not isinstance(style, ParallelStyle):
-            raise TypeError(f"parallelize_plan[{key!r}] is a {type(style).__name__}, not a style")
+            raise HPDTensorTypeError(
+                f"parallelize_plan[{key!r}] is a {type(style).__name__}, not a style: give a "
+                "ParallelStyle instance such as ColwiseParallel()"
+            )
         hits = [n for n in names if fnmatch.fnmatchcase(n, key)]
         if not hits:
             close = difflib.get_close_matches(key, list(names), n=5, cutoff=0.4)

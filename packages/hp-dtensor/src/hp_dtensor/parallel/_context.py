@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .._backend import get_platform
+from .._checks import check_bool
 from .._mesh import DeviceMesh
-from ..errors import ContextParallelError, MeshError
+from ..errors import ContextParallelError, HPDTensorTypeError, MeshError
 from . import _cp_plan as plan
 from ._style import ParallelStyle
 
@@ -91,7 +92,17 @@ def _check_length(length: int, cp: int, load_balance: bool, what: str) -> None:
         )
 
 
+def _check_tensor(x, arg: str, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise HPDTensorTypeError(f"{fn}: {arg} is a {type(x).__name__}: pass a torch.Tensor")
+
+
 def _seq_dim(seq_dim: int, x: torch.Tensor, fn: str) -> int:
+    _check_tensor(x, "x_local" if "unshard" in fn else "x", fn)
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise HPDTensorTypeError(
+            f"{fn}: seq_dim={seq_dim!r} must be an int (the tensor dimension of the sequence)"
+        )
     if not -x.ndim <= seq_dim < x.ndim:
         raise ContextParallelError(
             f"{fn}: seq_dim={seq_dim} is out of range for a {x.ndim}-D tensor: give the "
@@ -844,6 +855,8 @@ def context_parallel_attention(
         )
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
     fn = "context_parallel_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(t, name, fn)
     if method == "usp":
         return _usp_entry(
             q, k, v, mesh, is_causal, load_balance, scale, enable_gqa, overlap, document_lengths
@@ -979,6 +992,12 @@ def context_parallel_loss(loss_sum: torch.Tensor, count, mesh: DeviceMesh) -> to
     (as data-parallel training, FSDP over ``dp_shard x cp``, does) gives its gradient. A
     collective over ``mesh``."""
     _check_mesh(mesh, "context_parallel_loss")
+    _check_tensor(loss_sum, "loss_sum", "context_parallel_loss")
+    if isinstance(count, bool) or not isinstance(count, (int, float, torch.Tensor)):
+        raise HPDTensorTypeError(
+            f"context_parallel_loss: count={count!r} is a {type(count).__name__}: give the "
+            "number of tokens this rank counted (an int or a tensor)"
+        )
     total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).reshape(1).clone()
     get_platform(mesh.device_type).all_reduce(total, "sum", mesh.get_group())
     if total.item() == 0:
@@ -1079,7 +1098,8 @@ class ContextParallel(ParallelStyle):
             raise ContextParallelError(
                 f"{type(self).__name__}: method={method!r} is not one of {METHODS}"
             )
-        self.method, self.load_balance = method, bool(load_balance)
+        check_bool(load_balance, "load_balance", type(self).__name__)
+        self.method, self.load_balance = method, load_balance
 
     def validate(self, module: nn.Module, device_mesh: DeviceMesh, path: str) -> None:
         _check_mesh(

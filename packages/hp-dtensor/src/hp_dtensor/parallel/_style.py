@@ -13,10 +13,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._checks import check_bool
 from .._dtensor import DTensor, distribute_tensor
 from .._mesh import DeviceMesh
 from .._placement import Placement, Replicate, Shard
-from ..errors import MeshError, PlacementError
+from ..errors import HPDTensorTypeError, MeshError, PlacementError
 
 __all__ = [
     "ParallelStyle",
@@ -75,6 +76,40 @@ def _placement(p, arg: str) -> Placement:
     return p
 
 
+def _check_layouts(value, arg: str) -> None:
+    """``value``: None, a placement, or a tuple/list of placements (or None entries)."""
+    if value is None or isinstance(value, Placement):
+        return
+    if not isinstance(value, (tuple, list)):
+        raise PlacementError(
+            f"{arg}={value!r} must be a placement such as Shard(1) or Replicate(), a tuple of "
+            "them (None for an entry to leave alone), or None"
+        )
+    for i, p in enumerate(value):
+        if p is not None and not isinstance(p, Placement):
+            raise PlacementError(
+                f"{arg}[{i}]={p!r} must be a placement such as Shard(1) or Replicate(), or None"
+            )
+
+
+def _check_kwarg_layouts(value, arg: str) -> None:
+    """``value``: None or a dict from keyword-argument names to a placement (or None)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise HPDTensorTypeError(
+            f"{arg}={value!r} is a {type(value).__name__}: give a dict from keyword-argument "
+            "names to placements, e.g. {'mask': Replicate()}"
+        )
+    for k, p in value.items():
+        if not isinstance(k, str):
+            raise HPDTensorTypeError(f"{arg} key {k!r} must be a keyword-argument name (a str)")
+        if p is not None and not isinstance(p, Placement):
+            raise PlacementError(
+                f"{arg}[{k!r}]={p!r} must be a placement such as Shard(1) or Replicate(), or None"
+            )
+
+
 def _as_dtensor(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None):
     """A forward input as a DTensor with ``desired`` placement (plain tensors are local pieces
     laid out as ``layout``)."""
@@ -126,6 +161,14 @@ class _Linearish(ParallelStyle):
 
     _kind = ""  # "colwise" or "rowwise" (for the MindSpore binding)
 
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for arg in ("input_layouts", "output_layouts"):
+            value = getattr(self, arg)
+            if value is not None:
+                _placement(value, f"{name}: {arg}")
+        check_bool(self.use_local_output, "use_local_output", name)
+
     # (weight placement, bias placement, desired input, default input, default output)
     def _plan(self, module) -> tuple:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -137,7 +180,7 @@ class _Linearish(ParallelStyle):
             _ms_style("validate_linear_style")(self, module, device_mesh, path, self._kind)
             return
         if not isinstance(module, (nn.Linear, nn.Embedding)):
-            raise TypeError(
+            raise HPDTensorTypeError(
                 f"{type(self).__name__} applies to nn.Linear and nn.Embedding; {path!r} is a "
                 f"{type(module).__name__}: use PrepareModuleInput/Output or shard_module for it"
             )
@@ -212,6 +255,14 @@ class SequenceParallel(ParallelStyle):
 
     sequence_dim: int = 1
     use_local_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
+            raise HPDTensorTypeError(
+                f"SequenceParallel: sequence_dim={self.sequence_dim!r} must be an int (the "
+                "tensor dimension of the sequence, e.g. 1 for [batch, seq, hidden])"
+            )
+        check_bool(self.use_local_output, "use_local_output", "SequenceParallel")
 
     def validate(self, module, device_mesh, path):
         _mesh_matches(module, device_mesh, "SequenceParallel", path)
@@ -290,6 +341,13 @@ class PrepareModuleInput(ParallelStyle):
     desired_input_kwarg_layouts: dict | None = None
     use_local_output: bool = False
 
+    def __post_init__(self) -> None:
+        for arg in ("input_layouts", "desired_input_layouts"):
+            _check_layouts(getattr(self, arg), f"PrepareModuleInput: {arg}")
+        for arg in ("input_kwarg_layouts", "desired_input_kwarg_layouts"):
+            _check_kwarg_layouts(getattr(self, arg), f"PrepareModuleInput: {arg}")
+        check_bool(self.use_local_output, "use_local_output", "PrepareModuleInput")
+
     def validate(self, module, device_mesh, path):
         _mesh_matches(module, device_mesh, "PrepareModuleInput", path)
         _one_d(device_mesh, "PrepareModuleInput")
@@ -323,6 +381,11 @@ class PrepareModuleOutput(ParallelStyle):
     output_layouts: Any = None
     desired_output_layouts: Any = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        for arg in ("output_layouts", "desired_output_layouts"):
+            _check_layouts(getattr(self, arg), f"PrepareModuleOutput: {arg}")
+        check_bool(self.use_local_output, "use_local_output", "PrepareModuleOutput")
 
     def validate(self, module, device_mesh, path):
         _mesh_matches(module, device_mesh, "PrepareModuleOutput", path)
@@ -363,6 +426,10 @@ class PrepareModuleInputOutput(ParallelStyle):
     output_layouts: Any = None
     desired_output_layouts: Any = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool(self.use_local_input, "use_local_input", "PrepareModuleInputOutput")
+        self._parts()  # each part checks its arguments
 
     def _parts(self):
         return (
