@@ -541,6 +541,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
         )
     for k, v in current.items():
         full = state_dict[k]
+        if not isinstance(v, torch.Tensor):  # extra state (get_extra_state): passed through
+            continue
         if not isinstance(full, torch.Tensor) or isinstance(full, DTensor):
             raise FSDPTypeError(
                 f"load_full_state_dict: state_dict[{k!r}] is a {type(full).__name__}: give the "

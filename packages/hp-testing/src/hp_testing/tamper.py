@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import zlib
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class RunsCommand:
         self.marker = str(marker)
 
     def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
 
 
 def plant_value(ckpt: str | os.PathLike, key: str, blob: bytes, encoding: str) -> None:

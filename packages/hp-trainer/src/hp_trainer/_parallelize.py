@@ -27,6 +27,7 @@ __all__ = [
     "dp_mesh",
     "head_local",
     "parallelize_llama",
+    "resolve_activation_plan",
 ]
 
 
@@ -48,6 +49,9 @@ class ParallelizeConfig:
     activation_plan: dict | None = None
     #: FSDP keeps sharded parameters, gradients and optimizer states on the CPU
     cpu_offload: bool = False
+    #: set by ``pipeline_llama`` for a stage: the activation plan was checked on the whole
+    #: model, and a stage holds only some of the modules it names
+    _stage: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -462,8 +466,45 @@ def head_local(
     return module
 
 
+def resolve_activation_plan(
+    model: nn.Module, plan: dict[str, str], *, partial: bool = False
+) -> dict[str, str]:
+    """Module name -> action for ``plan`` ({pattern: action}, hp_offload's patterns) on
+    ``model``. Raises :class:`ConfigError` naming ``activation_checkpoint.plan`` for an unknown
+    action, patterns that overlap or nest, or (unless ``partial``: a pipeline stage holds only
+    some of the blocks) a pattern that matches nothing."""
+    from hp_offload import CheckpointPolicy, OffloadError, OffloadPlan, SwapPolicy
+
+    rules, by_id = {}, {}
+    for pattern, action in plan.items():
+        if action not in ACTIVATION_ACTIONS:
+            raise ConfigError(
+                f"activation_checkpoint.plan: {pattern!r}={action!r}: use one of "
+                f"{list(ACTIVATION_ACTIONS)}"
+            )
+        # one distinct object per entry, to map hp_offload's resolution back to the action
+        obj = SwapPolicy() if action == "swap" else CheckpointPolicy()
+        rules[pattern], by_id[id(obj)] = obj, action
+    if partial:  # keep the patterns that match something here
+        kept = {}
+        for pattern, obj in rules.items():
+            try:
+                OffloadPlan({pattern: obj}).resolve(model)
+            except OffloadError:
+                continue
+            kept[pattern] = obj
+        rules = kept
+    if not rules:
+        return {}
+    try:
+        resolved = OffloadPlan(rules).resolve(model)
+    except OffloadError as e:
+        raise ConfigError(f"activation_checkpoint.plan: {e}") from None
+    return {name: by_id[id(obj)] for name, obj in resolved.items()}
+
+
 def apply_activation_checkpoint(
-    model: nn.Module, mode: str, plan: dict[str, str] | None = None
+    model: nn.Module, mode: str, plan: dict[str, str] | None = None, *, partial: bool = False
 ) -> Any:
     """Activation memory per block, wrapping forwards in place (not the modules in wrappers),
     so parameter names, and with them checkpoints and HuggingFace names, do not change.
@@ -473,35 +514,12 @@ def apply_activation_checkpoint(
     and come back, prefetched, in backward). ``plan`` maps module-name patterns (hp_offload's
     ``OffloadPlan`` syntax: ``"layers.0-7"``, ``"layers.*.attention"``) to one of those four
     actions; a block that a plan entry matches, contains or lies inside takes the plan's action
-    instead of ``mode``. Returns the ``hp_offload.SwapManager`` the swapped regions share (its
+    instead of ``mode`` (``partial``: patterns may match nothing in ``model``, a pipeline
+    stage). Returns the ``hp_offload.SwapManager`` the swapped regions share (its
     ``step()`` belongs after each step's backward), or None when nothing swaps."""
-    from hp_offload import (
-        CheckpointPolicy,
-        OffloadError,
-        OffloadPlan,
-        SwapManager,
-        SwapPolicy,
-        checkpoint,
-        swap,
-    )
+    from hp_offload import CheckpointPolicy, SwapManager, checkpoint, swap
 
-    actions: dict[str, str] = {}
-    if plan:
-        rules, by_id = {}, {}
-        for pattern, action in plan.items():
-            if action not in ACTIVATION_ACTIONS:
-                raise ConfigError(
-                    f"activation_checkpoint.plan: {pattern!r}={action!r}: use one of "
-                    f"{list(ACTIVATION_ACTIONS)}"
-                )
-            # one distinct object per entry, to map hp_offload's resolution back to the action
-            obj = SwapPolicy() if action == "swap" else CheckpointPolicy()
-            rules[pattern], by_id[id(obj)] = obj, action
-        try:
-            resolved = OffloadPlan(rules).resolve(model)
-        except OffloadError as e:
-            raise ConfigError(f"activation_checkpoint.plan: {e}") from None
-        actions = {name: by_id[id(obj)] for name, obj in resolved.items()}
+    actions = resolve_activation_plan(model, plan, partial=partial) if plan else {}
     if mode != "none":
         names = {id(m): n for n, m in model.named_modules()}
         for block in _blocks(model):
@@ -535,7 +553,7 @@ def _activation_memory(model: nn.Module, config: ParallelizeConfig) -> None:
     """``apply_activation_checkpoint`` as ``config`` says; the swap manager is the model's
     (``model.swap_manager``), so two models in one process never share one."""
     manager = apply_activation_checkpoint(
-        model, config.activation_checkpoint, config.activation_plan
+        model, config.activation_checkpoint, config.activation_plan, partial=config._stage
     )
     if manager is not None:
         model.swap_manager = manager
@@ -598,6 +616,11 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
             f"training.mixed_precision_reduce={str(config.reduce_dtype).removeprefix('torch.')!r}"
             " sets FSDP's gradient reduction; this job has no data parallelism, so nothing is "
             "reduced: leave it float32"
+        )
+    if not fsdp and config.param_dtype == torch.float16:
+        raise ConfigError(
+            "training.mixed_precision_param='float16' without data parallelism is autocast, "
+            "which float16 needs loss scaling for (the trainer has none): use bfloat16"
         )
     if not fsdp and pd.pp > 1 and config.param_dtype is not None:
         raise ConfigError(

@@ -5,13 +5,14 @@ data-parallel part of the mesh) and drive them with an hp_pipeline schedule."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from ._parallel_dims import ParallelDims
-from ._parallelize import ParallelizeConfig, parallelize_llama
+from ._parallelize import ParallelizeConfig, parallelize_llama, resolve_activation_plan
 from .errors import ConfigError
 
 __all__ = ["SCHEDULES", "StageSet", "layer_ranges", "pipeline_llama", "split_stage"]
@@ -137,6 +138,10 @@ def pipeline_llama(
     placement = build_schedule(schedule, pp, n_microbatches)[1]
     rank = mesh.get_local_rank("pp")
     ranges = layer_ranges(model.config, n_stages)
+    config = config or ParallelizeConfig()
+    if config.activation_plan:  # checked on the whole model, as every rank has it
+        resolve_activation_plan(model, config.activation_plan)
+    config = dataclasses.replace(config, _stage=True)
     mods = {}
     for s in range(n_stages):
         if placement[s] == rank:

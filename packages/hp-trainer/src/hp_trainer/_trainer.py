@@ -172,6 +172,13 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
                 f"communication inside them; got {', '.join(wrong)}: set them to 1 (with "
                 f"pipeline_parallel_degree = the world size, {pd.world_size}), or leave it false"
             )
+        ac = cfg.activation_checkpoint
+        if ac.mode == "swap" or "swap" in parse_activation_plan(ac.plan).values():
+            raise ConfigError(
+                "parallelism.pipeline_cuda_graphs=true cannot replay activation swap (its "
+                "copies to host memory run outside the graph): use full or selective "
+                "recomputation, or leave pipeline_cuda_graphs false"
+            )
         if not torch.cuda.is_available():
             raise ConfigError(
                 "parallelism.pipeline_cuda_graphs=true needs CUDA devices; this host has none: "
@@ -191,6 +198,23 @@ def _linear_heads(mc) -> tuple[int, int] | None:
     if mc.architecture != "qwen3_5":
         return None
     return mc.linear_num_key_heads, mc.linear_num_value_heads
+
+
+_COMM_ERROR = re.compile(
+    r"gloo|nccl|connection (closed|reset|refused)|timed out|timeout|socket|broken pipe|"
+    r"peer|store",
+    re.IGNORECASE,
+)
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """A failed or timed-out collective or store call (torch's DistError family, or gloo's
+    plain RuntimeErrors), not an out-of-memory or another error of the step itself."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    return type(exc) is RuntimeError and bool(_COMM_ERROR.search(str(exc)))
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -250,6 +274,9 @@ class LLMTrainer:
         # names the peers that never reported (see _peer_failure)
         self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self._preempted = False  # set by SIGTERM; acted on at the end of a step
+        self._stop_requested = False  # some rank got SIGTERM (agreed in the step's flags)
+        self._saved_step = -1  # the step of the last checkpoint written or loaded
+        self._timeout_s = cfg.comm.init_timeout_s
         self.device = torch.device(
             f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
         )
@@ -413,13 +440,16 @@ class LLMTrainer:
     def load_checkpoint(self, path: Path) -> None:
         state = self.state()
         hp_dcp.load(state, checkpoint_id=path)
-        self.step = state["train"]["step"]
+        self.step = self._saved_step = state["train"]["step"]
         self.losses = list(state["train"]["losses"])
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step}", flush=True)
 
     def save_checkpoint(self) -> Path:
+        """Write (or, with ``checkpoint.async_mode``, start writing) ``step-<step>``; its
+        collectives wait up to ``comm.checkpoint_timeout_s``."""
         path = self.ckpt_dir / f"step-{self.step}"
+        self._saved_step = self.step
         if self.config.checkpoint.async_mode:
             self._pending = hp_dcp.async_save(self.state(), checkpoint_id=path)
         else:
@@ -471,6 +501,11 @@ class LLMTrainer:
         t = self.config.training
         t0 = time.perf_counter()
         step = self.step + 1
+        # the RNG as the step found it: a "stop" checkpoint of the previous step restores it
+        self._rng_at_start = (
+            torch.get_rng_state(),
+            (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None),
+        )
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:  # one pipelined step over the rank's batch
             ((x, y),) = self.data.local_batches(step, self.dp_rank, self.parallel_dims.dp, 1)
@@ -495,11 +530,14 @@ class LLMTrainer:
         moe = self.moe_statistics() if self.model_config.moe is not None else None
         mtp = self._mtp_loss() if self.model_config.mtp_layers else None
         lr = self.optimizer.param_groups[0]["lr"]
-        # both are the same on every rank (the loss's mean, the norm over all shards), so every
-        # rank takes the same branch
         loss_v = self._reduce_mean(total)
         norm_v = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = math.isfinite(loss_v) and math.isfinite(norm_v)
+        # one all-reduce (MAX) of this rank's flags: every rank takes the same branches, even
+        # where a value was only local (a replicated gradient's norm) or SIGTERM came late
+        bad, self._stop_requested = self._agree(
+            not (math.isfinite(loss_v) and math.isfinite(norm_v)), self._preempted
+        )
+        finite = not bad
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -551,8 +589,14 @@ class LLMTrainer:
         saved = ""
         c = self.config.checkpoint
         if c.enable and self.step > 0:
+            self._finish_pending()
             path = self.ckpt_dir / f"step-{self.step}"
-            if not (path / "metadata.json").exists():
+            # decided from memory (the same on every rank), not from the file system
+            if self._saved_step != self.step:
+                cpu, cuda = self._rng_at_start  # the RNG as step self.step left it
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda, self.device)
                 path = self.save_checkpoint()
                 self._finish_pending()
             saved = f"; the last good step's checkpoint is {path}"
@@ -616,6 +660,7 @@ class LLMTrainer:
         for cb in self.callbacks:
             cb.on_train_begin(self)
         start = self.step
+        self._preempted = self._stop_requested = False
         with self._on_sigterm():
             while self.step < cfg.training.steps:
                 metrics = self._guarded(self.train_step, beat=True)
@@ -625,15 +670,16 @@ class LLMTrainer:
                     cb.on_step_end(self, self.step, metrics)
                 c = cfg.checkpoint
                 done = self.step == cfg.training.steps
-                if self._guarded(self._agree_preempted):
+                if self._stop_requested:  # agreed in the step's flag all-reduce
                     if self.rank == 0:
                         print(f"SIGTERM: stopping after step {self.step}", flush=True)
                     if c.enable:
-                        self._guarded(self.save_checkpoint)
+                        self._guarded(self._checkpoint)
                     break
                 if c.enable and (self.step % c.interval == 0 or done):
-                    self._guarded(self.save_checkpoint)
-        self._finish_pending()
+                    self._guarded(self._checkpoint)
+            self._guarded(self._finish_pending)  # still under the handler: a late SIGTERM
+            # must not kill the commit of the last checkpoint
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.losses
@@ -654,20 +700,31 @@ class LLMTrainer:
         previous = signal.signal(signal.SIGTERM, handler)
         try:
             yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        finally:  # None: a handler not installed from Python; the default is what it did
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
-    def _agree_preempted(self) -> bool:
-        """Whether any rank got SIGTERM (one all-reduce of a flag, so all stop together)."""
-        flag = self._preempted
-        if dist.is_initialized():
-            t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over all ranks (one all-reduce; as given on one process)."""
+        if not dist.is_initialized():
+            return list(flags)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def _checkpoint(self) -> None:
+        """``save_checkpoint`` with the collectives' timeout at ``comm.checkpoint_timeout_s``
+        (ranks wait there for the slowest writer and the commit), then back."""
+        before = self._timeout_s
+        self._set_timeouts(max(before, self.config.comm.checkpoint_timeout_s))
+        try:
+            self.save_checkpoint()
+        finally:
+            self._set_timeouts(before)
 
     def _set_timeouts(self, seconds: float) -> None:
-        """Every process group's collective timeout (the default group's and the meshes')."""
+        """Every existing process group's collective timeout (the default group's and the
+        meshes'); groups created later keep the timeout they are created with."""
+        self._timeout_s = seconds
         if not dist.is_initialized():
             return
         timeout = datetime.timedelta(seconds=seconds)
@@ -686,7 +743,9 @@ class LLMTrainer:
             return fn()
         except (TrainingError, ConfigError):
             raise
-        except RuntimeError as exc:  # gloo / NCCL / store errors (DistError is one)
+        except RuntimeError as exc:
+            if not _is_communication_error(exc):  # out of memory, a full disk, a bug: as is
+                raise
             raise self._peer_failure(exc) from exc
 
     def _peer_failure(self, exc: BaseException) -> PeerFailure:
@@ -711,13 +770,24 @@ class LLMTrainer:
             for r in silent:
                 key = f"hp_trainer/started/{r}"
                 last[r] = int(store.get(key)) if store.check([key]) else None
-            if silent:
+            # a silent rank behind this one never reached the step: dead or hung before it; one
+            # at the same step may only still be waiting for its own timeout
+            behind = [r for r in silent if last[r] is None or last[r] < step]
+            waiting = [r for r in silent if r not in behind]
+            if behind:
                 where = ", ".join(
-                    f"rank {r} (last started step {v})" if v is not None else f"rank {r}"
-                    for r, v in last.items()
+                    f"rank {r} (last started step {last[r]})"
+                    if last[r] is not None
+                    else f"rank {r} (started no step)"
+                    for r in behind
                 )
                 head += f"; did not report, dead or hung: {where}"
-            else:
+            if waiting:
+                head += (
+                    f"; in step {step} too but not reported within {grace:.0f} s (dead, hung "
+                    f"inside the step, or still waiting): ranks {waiting}"
+                )
+            if not silent:
                 head += "; every rank reported the failure (no rank is silent)"
         except Exception:  # the store is gone with its host
             head += "; the rendezvous store (hosted by rank 0) is unreachable: rank 0 died or hung"

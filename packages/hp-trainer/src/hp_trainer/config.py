@@ -160,10 +160,12 @@ class Metrics:
 @dataclass
 class Comm:
     """Collective timeouts: a rank waiting longer than this for a peer fails, naming the ranks
-    that did not arrive, instead of hanging."""
+    that did not arrive, instead of hanging (on gloo; NCCL's watchdog aborts the process at
+    the same timeout instead of raising)."""
 
     init_timeout_s: float = 300.0  # process-group setup and everything before the first step
     train_timeout_s: float = 300.0  # every collective from the first step's end on
+    checkpoint_timeout_s: float = 1800.0  # while a checkpoint is written (slow file systems)
 
 
 @dataclass
@@ -302,7 +304,7 @@ def _check(cfg: JobConfig) -> None:
             problems.append(f"training.{key}={getattr(t, key)!r}: use float32, bfloat16 or float16")
     if t.on_nonfinite not in ("stop", "skip"):
         problems.append(f"training.on_nonfinite={t.on_nonfinite!r}: use 'stop' or 'skip'")
-    for key in ("init_timeout_s", "train_timeout_s"):
+    for key in ("init_timeout_s", "train_timeout_s", "checkpoint_timeout_s"):
         if not getattr(cfg.comm, key) > 0:
             problems.append(f"comm.{key}={getattr(cfg.comm, key)}: must be > 0 seconds")
     schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")

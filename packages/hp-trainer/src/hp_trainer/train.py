@@ -104,7 +104,48 @@ def main(argv: list[str] | None = None) -> int:
         "hp_trainer.train",
         *forward,
     ]
-    return subprocess.call(cmd)
+    return _run_forwarding_signals(cmd)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run torchrun; a SIGTERM to ``hp-train`` (a scheduler's preemption) goes to the ranks
+    themselves: they finish the step, checkpoint and exit 0, and torchrun then ends as it does
+    when its workers succeed. Where its children cannot be listed, torchrun gets it (it then
+    gives the ranks 30 s and exits non-zero). A terminal's Ctrl-C reaches every process
+    already."""
+    import signal
+
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum, frame):
+        workers = _children(proc.pid)
+        for pid in workers or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,29 @@ def test_nan_on_one_rank_is_skipped_by_all(tmp_path):
     losses = [_losses(line) for _, line, _ in res]
     assert all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(*losses))
     assert math.isnan(losses[0][1]) and all(math.isfinite(v) for v in losses[0][2:])
+
+
+def test_hp_train_passes_sigterm_to_the_ranks(tmp_path):
+    """SIGTERM to the ``hp-train`` process (what a container's PID 1 gets): the ranks finish
+    the step, checkpoint, and everything exits 0."""
+    args = [sys.executable, "-m", "hp_trainer.train", "--nproc", "2", *BASE]
+    args += ["--training.steps", "100000", "--checkpoint.interval", "100000"]
+    args += ["--job.dump_folder", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:  # rank 0's lines: wait for a step to be done
+        if line.startswith("step ") or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM: stopping after step" in out
+    k = int(out.split("SIGTERM: stopping after step")[1].split()[0])
+    assert (tmp_path / "checkpoint" / f"step-{k}" / "metadata.json").exists()
