@@ -32,6 +32,7 @@ from ._storage import (
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DCPTypeError,
     IncompleteCheckpointError,
     StateDictError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "Chunk",
     "CorruptCheckpointError",
+    "DCPTypeError",
     "FileSystemReader",
     "FileSystemWriter",
     "IncompleteCheckpointError",

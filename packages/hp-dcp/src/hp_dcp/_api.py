@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from ._flatten import flatten
 from ._meta import Chunk, Metadata, ObjectEntry, StoredObject, TensorEntry
 from ._plan import ReadItem, SavePlanner, WriteItem, plan_reads
 from ._storage import FileSystemWriter, HostStaging, dtype_name, open_checkpoint
-from .errors import CheckpointError, StateDictError
+from .errors import CheckpointError, DCPTypeError, StateDictError
 
 __all__ = ["LoadPlanner", "async_save", "load", "save"]
 
@@ -43,6 +44,7 @@ class LoadPlanner:
     checkpoint lacks untouched instead of raising."""
 
     def __init__(self, *, allow_partial_load: bool = False) -> None:
+        _check_bool(allow_partial_load, "allow_partial_load", "LoadPlanner")
         self.allow_partial_load = allow_partial_load
 
     def plan(self, key: str, entry: TensorEntry, offsets, sizes) -> list[ReadItem]:
@@ -53,6 +55,30 @@ class LoadPlanner:
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_bool(value, arg: str, fn: str) -> None:
+    if not isinstance(value, bool):
+        raise DCPTypeError(f"{fn}: {arg}={value!r} must be True or False")
+
+
+def _check_args(fn: str, checkpoint_id, planner, planner_cls, *, path: bool = True) -> None:
+    """The arguments every rank checks alike before any collective (``path``: the storage is
+    opened from ``checkpoint_id``, not given as a writer/reader)."""
+    if path and not isinstance(checkpoint_id, (str, os.PathLike)):
+        raise DCPTypeError(
+            f"{fn}: checkpoint_id={checkpoint_id!r} is a {type(checkpoint_id).__name__}: give "
+            "the checkpoint's path (a str or pathlib.Path)"
+        )
+    if planner is not None and not isinstance(planner, planner_cls):
+        what = (
+            f"the class {planner.__name__}, not an instance"
+            if isinstance(planner, type)
+            else f"a {type(planner).__name__}"
+        )
+        raise DCPTypeError(
+            f"{fn}: planner is {what}: give a {planner_cls.__name__}(...) instance (or None)"
+        )
 
 
 def _group(process_group):
@@ -277,6 +303,7 @@ def save(
     every rank, per rank otherwise). The folder ``checkpoint_id`` appears only once complete.
     Returns the committed metadata on rank 0 (an empty one elsewhere).
     """
+    _check_args("save", checkpoint_id, planner, SavePlanner, path=storage_writer is None)
     _SAVER.wait()
     writer = storage_writer or FileSystemWriter(checkpoint_id)
     group, rank, world = _group(process_group)
@@ -304,6 +331,8 @@ def load(
     differs, before reading anything; :class:`CorruptCheckpointError` naming file and key when
     bytes fail their checksum. No communication.
     """
+    _check_args("load", checkpoint_id, planner, LoadPlanner, path=storage_reader is None)
+    _check_bool(allow_pickle, "allow_pickle", "load")
     planner = planner or LoadPlanner()
     _, rank, _ = _group(process_group)
     reader = storage_reader or open_checkpoint(checkpoint_id)
@@ -448,6 +477,7 @@ def async_save(
     The staging buffer (pinned memory with CUDA) is reused between saves, so a new
     ``async_save`` (or ``save``) first waits for the previous one to commit.
     """
+    _check_args("async_save", checkpoint_id, planner, SavePlanner, path=storage_writer is None)
     with _SAVER.lock:
         _SAVER.wait()
         writer = storage_writer or FileSystemWriter(checkpoint_id)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from hp_dtensor import DTensor
 
-from .errors import StateDictError
+from .errors import DCPTypeError, StateDictError
 
 __all__ = [
     "ModelState",
@@ -55,10 +55,28 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
+_NO_OPT = object()
+
+
+def _check_model_optimizer(fn: str, model, optimizer=_NO_OPT) -> None:
+    if not isinstance(model, nn.Module):
+        raise DCPTypeError(f"{fn}: model is a {type(model).__name__}: give the torch.nn.Module")
+    if optimizer is _NO_OPT:
+        return
+    for i, opt in enumerate(_optimizers(optimizer)):
+        if not isinstance(getattr(opt, "param_groups", None), list):
+            where = "optimizer" if opt is optimizer else f"optimizer.optimizers[{i}]"
+            raise DCPTypeError(
+                f"{fn}: {where} is a {type(opt).__name__}, not an optimizer: give a "
+                "torch.optim.Optimizer (or an hp_optim.ChainedOptimizer)"
+            )
+
+
 def get_optimizer_state_dict(model: nn.Module, optimizer) -> dict:
     """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` holding
     the optimizer's own state tensors (so loading into it in place updates the optimizer).
     Creates the state of a fresh optimizer first. Accepts a ``ChainedOptimizer``."""
+    _check_model_optimizer("get_optimizer_state_dict", model, optimizer)
     names = _names(model)
     state: dict[str, Any] = {}
     groups = []
@@ -81,6 +99,13 @@ def get_optimizer_state_dict(model: nn.Module, optimizer) -> dict:
 
 def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> None:
     """Put a :func:`get_optimizer_state_dict`-shaped dict back into the optimizer."""
+    _check_model_optimizer("set_optimizer_state_dict", model, optimizer)
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        raise DCPTypeError(
+            f"set_optimizer_state_dict: state_dict is a {type(state_dict).__name__}"
+            f"{' without param_groups' if isinstance(state_dict, dict) else ''}: give the dict "
+            "get_optimizer_state_dict returned"
+        )
     by_name = dict(model.named_parameters())
     groups = [g for opt in _optimizers(optimizer) for g in opt.param_groups]
     saved = state_dict["param_groups"]
@@ -115,6 +140,7 @@ class ModelState:
     """A model as a Stateful: its ``state_dict()`` (DTensors stay sharded)."""
 
     def __init__(self, model: nn.Module) -> None:
+        _check_model_optimizer("ModelState", model)
         self.model = model
 
     def state_dict(self) -> dict:
@@ -145,6 +171,7 @@ class OptimizerState:
     """An optimizer as a Stateful, keyed by parameter name (see module docs)."""
 
     def __init__(self, model: nn.Module, optimizer) -> None:
+        _check_model_optimizer("OptimizerState", model, optimizer)
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:

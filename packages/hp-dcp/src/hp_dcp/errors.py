@@ -6,6 +6,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
+    "DCPTypeError",
     "IncompleteCheckpointError",
     "StateDictError",
 ]
@@ -26,3 +27,9 @@ class CorruptCheckpointError(CheckpointError):
 class StateDictError(ValueError):
     """The state dict given to ``save``/``load`` does not fit: a key the checkpoint lacks, a shape
     that differs, a value that cannot be stored."""
+
+
+class DCPTypeError(StateDictError, TypeError):
+    """An argument of the wrong type (``checkpoint_id=None``, a str for a flag, a class where a
+    planner instance is expected, a list where a module is expected); also a ``StateDictError``
+    and a ``TypeError``. The message names the argument and the type to pass."""

@@ -29,7 +29,7 @@ from ._experts import FeedForward, GroupedExperts, grouped_mm, grouped_mm_suppor
 from ._moe import MoE
 from ._router import TokenChoiceTopKRouter
 from ._styles import ExpertParallel, ExpertTensorParallel, TensorParallel
-from .errors import DispatchError, MoEConfigError, MoEError
+from .errors import DispatchError, MoEConfigError, MoEError, MoEMeshError, MoETypeError
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,8 @@ __all__ = [
     "MoEAuxLossAutoScaler",
     "MoEConfigError",
     "MoEError",
+    "MoEMeshError",
+    "MoETypeError",
     "OneSidedDispatcher",
     "TensorParallel",
     "TokenChoiceTopKRouter",

@@ -27,7 +27,8 @@ import torch.nn as nn
 import hp_dtensor as hp
 from hp_kernels.moe import count_experts
 
-from .errors import MoEConfigError
+from ._checks import check_model, check_number, check_tensor
+from .errors import MoEConfigError, MoETypeError
 
 __all__ = [
     "AUX_LOSS_TYPES",
@@ -96,6 +97,10 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output, aux_loss, coeff=1.0):
+        check_tensor(output, "output", "MoEAuxLossAutoScaler")
+        check_tensor(aux_loss, "aux_loss", "MoEAuxLossAutoScaler")
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)):
+            raise MoETypeError(f"MoEAuxLossAutoScaler: coeff={coeff!r}: give a number")
         ctx.coeff = float(coeff)
         ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
         return output.view_as(output)
@@ -233,6 +238,7 @@ def set_load_balance_group(
     ``sequence_group``: the context-parallel group whose ranks hold parts of the same sequences
     (``aux_loss_type="sequence"`` and ``"batch"``, whose statistics then cover the whole
     sequences; same averaging)."""
+    check_model(model, "set_load_balance_group")
     for m in _moe_modules(model):
         groups = BalanceGroups()  # a fresh holder: a deep-copied model shares the old one
         groups.balance = group
@@ -245,8 +251,8 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     loss is divided by ``n`` accumulation or pipeline microbatches, so that the loss keeps its
     weight ``aux_loss_coeff`` in the step's gradient (``MoEAuxLossAutoScaler`` cannot see the
     main loss's scaling; Megatron's ``set_loss_scale`` is the same knob)."""
-    if not isinstance(scale, (int, float)) or scale <= 0:
-        raise MoEConfigError(f"scale={scale!r} must be a positive number")
+    check_model(model, "set_aux_loss_scale")
+    check_number(scale, "scale", "set_aux_loss_scale", positive=True)
     for m in _moe_modules(model):
         m.aux_loss_scale = float(scale)
 
@@ -258,6 +264,7 @@ def update_expert_bias(model: nn.Module, *, group: Any = None) -> None:
     step, every microbatch), then ``delta = coeff * sign(mean(tokens) - tokens)``, ``delta -=
     delta.mean()``, ``expert_bias += delta``; the counts are zeroed. It also starts a new step
     for ``aux_loss_type="global"``. The counts of all layers go in one all-reduce."""
+    check_model(model, "update_expert_bias")
     moes = list(_moe_modules(model))
     biased = [m for m in moes if m.load_balance_coeff]  # 0: the bias stays as it is
     if biased:
@@ -276,6 +283,7 @@ def reset_statistics(model: nn.Module) -> None:
     """Zero the step's statistics of every ``MoE`` of ``model`` (expert counts, dropped tokens,
     the balance loss's running sum) without moving any expert bias: what a trainer calls for a
     step it skips. ``update_expert_bias`` ends with it."""
+    check_model(model, "reset_statistics")
     for m in _moe_modules(model):
         m.tokens_per_expert.zero_()
         m.global_counts.zero_()
@@ -289,6 +297,12 @@ def register_expert_bias_update(
     """Run ``update_expert_bias(model, group=group)`` as a pre-step hook of ``optimizer`` (so
     the counts cover every microbatch of the step) and declare ``group`` the load-balance group
     (``set_load_balance_group``). Returns the hook's handle."""
+    check_model(model, "register_expert_bias_update")
+    if not callable(getattr(optimizer, "register_step_pre_hook", None)):
+        raise MoETypeError(
+            f"register_expert_bias_update: optimizer is a {type(optimizer).__name__}: give a "
+            "torch.optim.Optimizer (one with register_step_pre_hook)"
+        )
     moes = list(_moe_modules(model))
     if not moes:
         raise MoEConfigError(
@@ -312,6 +326,7 @@ def moe_statistics(model: nn.Module, *, group: Any = None) -> list[dict]:
     it before ``update_expert_bias`` resets the counts."""
     from ._moe import MoE
 
+    check_model(model, "moe_statistics")
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
     if not named:
         return []

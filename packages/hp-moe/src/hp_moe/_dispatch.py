@@ -38,7 +38,8 @@ import hp_dtensor as hp
 from hp_dtensor import DeviceMesh
 from hp_kernels import moe as kmoe
 
-from .errors import DispatchError, MoEConfigError
+from ._checks import check_bool, check_positive_int, check_tensor
+from .errors import DispatchError, MoEConfigError, MoEMeshError, MoETypeError
 
 __all__ = [
     "AllToAllDispatcher",
@@ -138,6 +139,7 @@ class TokenDispatcher:
         """``dispatch`` with its transfers possibly still in flight: the returned handle's
         ``wait()`` gives what ``dispatch`` returns."""
         _check_inputs(x, top_scores, top_indices, keep)
+        check_bool(gates_to_experts, "gates_to_experts", "dispatch")
         perm = kmoe.permute_tokens(x, top_indices, self.num_experts, keep=keep, check=False)
         gates = None
         if gates_to_experts:  # the gate of each permuted row (a gather both ways); rows of
@@ -198,6 +200,11 @@ class TokenDispatcher:
         return self.combine_async(y, ctx).wait()
 
     def _check_ctx(self, ctx: DispatchContext) -> None:
+        if not isinstance(ctx, DispatchContext):
+            raise MoETypeError(
+                f"combine: ctx is a {type(ctx).__name__}: give the DispatchContext that this "
+                "dispatcher's dispatch returned (its third value)"
+            )
         if ctx.dispatcher is not self:
             raise DispatchError(
                 "combine got a DispatchContext made by another dispatcher: give each combine "
@@ -218,6 +225,17 @@ class TokenDispatcher:
 
 
 def _check_inputs(x, top_scores, top_indices, keep):
+    for name, t in (("x", x), ("top_scores", top_scores), ("top_indices", top_indices)):
+        check_tensor(t, name, "dispatch")
+    if keep is not None:
+        check_tensor(keep, "keep", "dispatch")
+        if keep.dtype != torch.bool:
+            raise DispatchError(f"dispatch: keep has dtype {keep.dtype}: give a bool mask")
+    if top_indices.is_floating_point() or top_indices.dtype == torch.bool:
+        raise DispatchError(
+            f"dispatch: top_indices has dtype {top_indices.dtype}: give integer expert ids "
+            "(the router's second output)"
+        )
     if x.dim() != 2:
         raise DispatchError(f"dispatch: x must be (T, dim), got shape {tuple(x.shape)}")
     t = x.shape[0]
@@ -239,6 +257,7 @@ class LocalDispatcher(TokenDispatcher):
     """No expert parallelism: every expert is local; dispatch is the permutation alone."""
 
     def __init__(self, num_experts: int) -> None:
+        check_positive_int(num_experts, "num_experts", "LocalDispatcher")
         self.num_experts = int(num_experts)
 
     def _send(self, rows, gates, ctx):
@@ -351,6 +370,7 @@ class AllToAllDispatcher(TokenDispatcher):
         sync_free: bool = False,
         rows_per_peer: int | None = None,
     ) -> None:
+        check_positive_int(num_experts, "num_experts", type(self).__name__)
         check_ep_mesh(mesh, num_experts, type(self).__name__)
         check_padding(sync_free, rows_per_peer)
         self.num_experts = int(num_experts)
@@ -526,6 +546,7 @@ class OneSidedDispatcher(AllToAllDispatcher):
 
 def check_padding(sync_free: bool, rows_per_peer) -> None:
     """``rows_per_peer`` belongs to the sync-free path and is a positive int."""
+    check_bool(sync_free, "sync_free")
     if rows_per_peer is None:
         return
     if not sync_free:
@@ -533,18 +554,21 @@ def check_padding(sync_free: bool, rows_per_peer) -> None:
             "rows_per_peer bounds the padded blocks of the sync-free path: pass sync_free=True "
             "with it, or drop it"
         )
-    if not isinstance(rows_per_peer, int) or isinstance(rows_per_peer, bool) or rows_per_peer <= 0:
-        raise MoEConfigError(f"rows_per_peer={rows_per_peer!r} must be a positive int")
+    check_positive_int(rows_per_peer, "rows_per_peer")
 
 
 def check_ep_mesh(mesh: Any, num_experts: int, who: str) -> None:
     """Raise before any collective when ``mesh`` cannot serve as an expert-parallel mesh."""
-    from hp_dtensor import MeshError
-
     if not isinstance(mesh, DeviceMesh):
-        raise MeshError(f"{who}: mesh must be an hp_dtensor DeviceMesh, got {type(mesh).__name__}")
+        kind = type(mesh).__name__
+        if kind == "DeviceMesh":  # torch.distributed's: say whose
+            kind = f"{type(mesh).__module__}.{kind}"
+        raise MoEMeshError(
+            f"{who}: mesh must be an hp_dtensor DeviceMesh, got {kind}: build one with "
+            "hp_dtensor.init_device_mesh(...) (a sub-mesh is mesh['ep'])"
+        )
     if mesh.ndim != 1:
-        raise MeshError(
+        raise MoEMeshError(
             f"{who}: the expert-parallel mesh must be 1-D, got {mesh}: pass mesh['ep'] (use "
             f"ExpertTensorParallel for a 2-D [ep, tp] mesh)"
         )

@@ -18,6 +18,7 @@ import hp_dtensor as hp
 from hp_dtensor import DTensor, Shard
 from hp_kernels.moe import swiglu
 
+from ._checks import check_bool, check_positive_int, check_tensor
 from ._dispatch import LocalDispatcher, TokenDispatcher
 from .errors import MoEConfigError
 
@@ -36,6 +37,7 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False) -> None:
         super().__init__()
         _positive(dim=dim, hidden_dim=hidden_dim)
+        check_bool(bias, "bias", "FeedForward")
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
@@ -47,8 +49,7 @@ class FeedForward(nn.Module):
 
 def _positive(**values: int) -> None:
     for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise MoEConfigError(f"{name}={v!r} must be a positive int")
+        check_positive_int(v, name)
 
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -82,6 +83,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     on ``x``'s device). Rows after ``offsets[-1]`` are left unspecified. One grouped GEMM where
     torch has one for the operands (``grouped_mm_supported``), else a loop of matmuls (which
     reads the offsets on the host)."""
+    check_tensor(x, "x", "grouped_mm", ndim=2)
+    check_tensor(w, "w", "grouped_mm", ndim=3)
+    check_tensor(offsets, "offsets", "grouped_mm", ndim=1)
+    if x.shape[1] != w.shape[2] or offsets.shape[0] != w.shape[0]:
+        raise MoEConfigError(
+            f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets "
+            f"{tuple(offsets.shape)}: need x (R, in), w (E, out, in) and offsets (E,)"
+        )
+    if offsets.is_floating_point():
+        raise MoEConfigError(f"grouped_mm: offsets has dtype {offsets.dtype}: give int32 offsets")
     if grouped_mm_supported(x, w):
         return _GMM(x, w.transpose(-2, -1), offs=offsets)
     out = x.new_zeros((x.shape[0], w.shape[1]))
@@ -191,6 +202,25 @@ class GroupedExperts(nn.Module):
         expert: their outputs, and the gradients their inputs and ``row_weights`` receive, are
         unspecified (the dispatchers never read them)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        fn = "GroupedExperts"
+        check_tensor(x, "x", fn, ndim=2)
+        check_tensor(num_tokens_per_expert, "num_tokens_per_expert", fn)
+        if x.shape[1] != self.dim:
+            raise MoEConfigError(
+                f"{fn}: x has shape {tuple(x.shape)}; the experts take (rows, dim={self.dim})"
+            )
+        if num_tokens_per_expert.is_floating_point():
+            raise MoEConfigError(
+                f"{fn}: num_tokens_per_expert has dtype {num_tokens_per_expert.dtype}: give "
+                "integer counts"
+            )
+        if row_weights is not None:
+            check_tensor(row_weights, "row_weights", fn)
+            if tuple(row_weights.shape) != (x.shape[0],):
+                raise MoEConfigError(
+                    f"{fn}: row_weights has shape {tuple(row_weights.shape)}: give one weight "
+                    f"per row of x, shape ({x.shape[0]},)"
+                )
         if num_tokens_per_expert.shape != (w1.shape[0],):
             raise MoEConfigError(
                 f"num_tokens_per_expert has shape {tuple(num_tokens_per_expert.shape)}; this "

@@ -17,9 +17,10 @@ from ._balance import (
     non_reentrant_recompute,
     recomputing,
 )
+from ._checks import check_bool, check_number, check_positive_int
 from ._experts import FeedForward, GroupedExperts
 from ._router import TokenChoiceTopKRouter, check_routing
-from .errors import DispatchError, MoEConfigError
+from .errors import DispatchError, MoEConfigError, MoETypeError
 
 __all__ = ["MoE"]
 
@@ -88,6 +89,10 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
+        check_positive_int(dim, "dim", "MoE")
+        check_positive_int(hidden_dim, "hidden_dim", "MoE")
+        check_bool(route_norm, "route_norm", "MoE")
+        check_bool(shared_expert_gate, "shared_expert_gate", "MoE")
         check_routing(
             num_experts, top_k, score_func, num_expert_groups, num_limited_groups, route_scale
         )
@@ -187,6 +192,13 @@ class MoE(nn.Module):
         return self.balance_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise MoETypeError(f"MoE: x is a {type(x).__name__}: give a (batch, seq, dim) tensor")
+        if x.dim() in (2, 3) and x.shape[-1] != self.experts.dim:
+            raise DispatchError(
+                f"MoE: x has shape {tuple(x.shape)}; this layer takes (batch, seq, "
+                f"dim={self.experts.dim})"
+            )
         if x.dim() == 2:
             return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 3:
@@ -248,22 +260,14 @@ class MoE(nn.Module):
 
 
 def _check_balance(shared, lb_coeff, aux_coeff, aux_type, capacity_factor) -> None:
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+    if not isinstance(shared, int) or isinstance(shared, bool):
+        raise MoETypeError(f"num_shared_experts={shared!r} must be an int >= 0")
+    if shared < 0:
         raise MoEConfigError(f"num_shared_experts={shared!r} must be an int >= 0")
-    if lb_coeff is not None and (
-        not isinstance(lb_coeff, (int, float)) or isinstance(lb_coeff, bool) or lb_coeff < 0
-    ):
-        raise MoEConfigError(
-            f"load_balance_coeff={lb_coeff!r} must be a number >= 0 (0 keeps the expert bias "
-            f"fixed; None: no expert bias)"
-        )
-    if not isinstance(aux_coeff, (int, float)) or aux_coeff < 0:
-        raise MoEConfigError(f"aux_loss_coeff={aux_coeff!r} must be a number >= 0 (0: no loss)")
+    if lb_coeff is not None:  # 0 keeps the expert bias fixed; None: no expert bias
+        check_number(lb_coeff, "load_balance_coeff", hint=" (0: a fixed bias; None: no bias)")
+    check_number(aux_coeff, "aux_loss_coeff", hint=" (0: no loss)")
     if aux_type not in AUX_LOSS_TYPES:
         raise MoEConfigError(f"aux_loss_type={aux_type!r} is not one of {AUX_LOSS_TYPES}")
-    if capacity_factor is not None and (
-        not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0
-    ):
-        raise MoEConfigError(
-            f"capacity_factor={capacity_factor!r} must be a positive number (None: dropless)"
-        )
+    if capacity_factor is not None:
+        check_number(capacity_factor, "capacity_factor", positive=True, hint=" (None: dropless)")

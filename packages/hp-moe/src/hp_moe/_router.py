@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import MoEConfigError
+from ._checks import check_bool, check_number, check_positive_int, check_tensor
+from .errors import MoEConfigError, MoETypeError
 
 __all__ = ["TokenChoiceTopKRouter", "check_routing"]
 
@@ -24,8 +25,7 @@ def check_routing(
     """Raise ``MoEConfigError`` for a routing configuration that cannot work (pure, no
     tensors): every rank raises the same error before anything is built."""
     for name, v in (("num_experts", num_experts), ("top_k", top_k)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise MoEConfigError(f"{name}={v!r} must be a positive int")
+        check_positive_int(v, name)
     if top_k > num_experts:
         raise MoEConfigError(
             f"top_k={top_k} is larger than num_experts={num_experts}: a token cannot choose more "
@@ -36,8 +36,7 @@ def check_routing(
             f"score_func={score_func!r} is not one of {SCORE_FUNCS}: use 'softmax' (Qwen3-MoE, "
             f"Mixtral) or 'sigmoid' (DeepSeek-V3)"
         )
-    if not isinstance(route_scale, (int, float)) or route_scale <= 0:
-        raise MoEConfigError(f"route_scale={route_scale!r} must be a positive number")
+    check_number(route_scale, "route_scale", positive=True)
     if (num_expert_groups is None) != (num_limited_groups is None):
         raise MoEConfigError(
             f"num_expert_groups={num_expert_groups} and num_limited_groups={num_limited_groups}: "
@@ -45,8 +44,7 @@ def check_routing(
         )
     if num_expert_groups is None:
         return
-    if not isinstance(num_expert_groups, int) or num_expert_groups <= 0:
-        raise MoEConfigError(f"num_expert_groups={num_expert_groups!r} must be a positive int")
+    check_positive_int(num_expert_groups, "num_expert_groups")
     if num_experts % num_expert_groups:
         raise MoEConfigError(
             f"num_expert_groups={num_expert_groups} does not divide num_experts={num_experts}: "
@@ -104,9 +102,11 @@ class TokenChoiceTopKRouter(nn.Module):
         num_limited_groups: int | None = None,
     ) -> None:
         super().__init__()
+        check_positive_int(dim, "dim", "TokenChoiceTopKRouter")
         check_routing(
             num_experts, top_k, score_func, num_expert_groups, num_limited_groups, route_scale
         )
+        check_bool(route_norm, "route_norm", "TokenChoiceTopKRouter")
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func = score_func
@@ -132,6 +132,24 @@ class TokenChoiceTopKRouter(nn.Module):
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fn = "TokenChoiceTopKRouter"
+        check_tensor(x, "x", fn, ndim=2)
+        if x.shape[-1] != self.gate.in_features:
+            raise MoEConfigError(
+                f"{fn}: x has shape {tuple(x.shape)}; the gate takes "
+                f"(T, dim={self.gate.in_features})"
+            )
+        if expert_bias is not None:
+            if not isinstance(expert_bias, torch.Tensor):
+                raise MoETypeError(
+                    f"{fn}: expert_bias is a {type(expert_bias).__name__}: give a tensor of "
+                    f"shape ({self.num_experts},) or None"
+                )
+            if tuple(expert_bias.shape) != (self.num_experts,):  # (1,) would broadcast
+                raise MoEConfigError(
+                    f"{fn}: expert_bias has shape {tuple(expert_bias.shape)}: give one bias per "
+                    f"expert, shape ({self.num_experts},)"
+                )
         scores = self.scores(x)
         with torch.no_grad():
             choice = scores if expert_bias is None else scores + expert_bias

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from hp_dtensor import DTensor, MeshError, Placement, Shard, distribute_tensor
+from hp_dtensor import DeviceMesh, DTensor, Placement, Shard, distribute_tensor
 from hp_dtensor.parallel import ParallelStyle
 
 from ._dispatch import AllToAllDispatcher, OneSidedDispatcher, check_ep_mesh, check_padding
 from ._experts import GroupedExperts
-from .errors import DispatchError, MoEConfigError
+from .errors import DispatchError, MoEConfigError, MoEMeshError
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
 
@@ -38,6 +38,17 @@ def _check_module(module, style: str, path: str) -> None:
         raise DispatchError(
             f"{style}: {path or 'the experts'} are already distributed "
             f"({module.w1.placements}): apply one expert style per module"
+        )
+
+
+def _check_mesh(mesh, style: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        kind = type(mesh).__name__
+        if kind == "DeviceMesh":  # torch.distributed's: say whose
+            kind = f"{type(mesh).__module__}.{kind}"
+        raise MoEMeshError(
+            f"{style}: device_mesh={mesh!r} is a {kind}, not an hp_dtensor DeviceMesh: build one "
+            "with hp_dtensor.init_device_mesh(...)"
         )
 
 
@@ -111,8 +122,9 @@ class TensorParallel(ParallelStyle):
 
     def validate(self, module, device_mesh, path):
         _check_module(module, "TensorParallel", path)
+        _check_mesh(device_mesh, "TensorParallel")
         if device_mesh.ndim != 1:
-            raise MeshError(
+            raise MoEMeshError(
                 f"TensorParallel (experts) needs a 1-D mesh, got {device_mesh}: pass mesh['tp'] "
                 f"(ExpertTensorParallel takes a 2-D [ep, tp] mesh)"
             )
@@ -140,13 +152,14 @@ class ExpertTensorParallel(ParallelStyle):
     def validate(self, module, device_mesh, path):
         _check_module(module, "ExpertTensorParallel", path)
         _check_dispatcher(self)
+        _check_mesh(device_mesh, "ExpertTensorParallel")
         if device_mesh.ndim != 2:
-            raise MeshError(
+            raise MoEMeshError(
                 f"ExpertTensorParallel needs a 2-D [ep, tp] mesh, got {device_mesh}: pass "
                 f"mesh['ep', 'tp'] (ExpertParallel takes a 1-D mesh)"
             )
         if device_mesh.mesh_dim_names is None:
-            raise MeshError(
+            raise MoEMeshError(
                 "ExpertTensorParallel needs a mesh with dimension names, e.g. "
                 "init_device_mesh('cpu', (2, 2), mesh_dim_names=('ep', 'tp'))"
             )

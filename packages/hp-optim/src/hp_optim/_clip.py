@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -10,11 +11,10 @@ import torch
 import hp_dtensor as hp
 from hp_dtensor import DTensor, Partial, Shard
 
-__all__ = ["clip_grad_norm_", "OptimError"]
+from ._checks import check_bool, check_number
+from .errors import OptimError, OptimTypeError
 
-
-class OptimError(ValueError):
-    """A bad optimizer, scheduler or clipping argument; the message names it and the fix."""
+__all__ = ["clip_grad_norm_", "OptimError", "OptimTypeError"]
 
 
 def _local_power_sum(locals_: list[torch.Tensor], p: float) -> torch.Tensor:
@@ -47,10 +47,36 @@ def clip_grad_norm_(
     dimension, in a fixed order. ``norm_type=inf`` reduces with max. Returns the total norm (a
     plain tensor, equal on every rank).
     """
-    if max_norm is None or not max_norm > 0:
+    fn = "clip_grad_norm_"
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise OptimTypeError(
+            f"max_norm={max_norm!r} is a {type(max_norm).__name__}: give a positive number"
+        )
+    if not max_norm > 0:
         raise OptimError(f"max_norm={max_norm!r}: give a positive number")
+    check_number(norm_type, "norm_type", fn, inf_ok=True)
+    if not norm_type > 0:
+        raise OptimError(f"{fn}: norm_type={norm_type!r}: give a positive order (2.0, 1.0, inf)")
+    check_bool(foreach, "foreach", fn, none_ok=True)
+    check_bool(error_if_nonfinite, "error_if_nonfinite", fn)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    elif isinstance(parameters, torch.nn.Module):
+        raise OptimTypeError(
+            f"{fn}: parameters is a {type(parameters).__name__} module: pass model.parameters()"
+        )
+    elif isinstance(parameters, (str, bytes, dict)) or not hasattr(parameters, "__iter__"):
+        raise OptimTypeError(
+            f"{fn}: parameters is a {type(parameters).__name__}: pass an iterable of tensors "
+            "(model.parameters())"
+        )
+    parameters = list(parameters)
+    for i, q in enumerate(parameters):
+        if not isinstance(q, torch.Tensor):
+            raise OptimTypeError(
+                f"{fn}: parameters[{i}] is a {type(q).__name__}, not a tensor: pass "
+                "model.parameters() (or a list of tensors)"
+            )
     p = float(norm_type)
     grads = [q.grad for q in parameters if q.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]

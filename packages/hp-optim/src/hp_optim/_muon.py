@@ -9,13 +9,16 @@ import torch
 import hp_dtensor as hp
 from hp_dtensor import DTensor
 
-from ._clip import OptimError
+from ._checks import check_bool, check_int, check_number, check_params
+from .errors import OptimError, OptimTypeError
 
 __all__ = ["Muon", "zeropower_via_newtonschulz5", "orthogonalize"]
 
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Approximately orthogonalise a 2-D matrix (Keller Jordan's quintic Newton-Schulz)."""
+    _check_matrix(g, "g", "zeropower_via_newtonschulz5")
+    check_int(steps, "steps", "zeropower_via_newtonschulz5")
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.float()
     transposed = x.shape[0] > x.shape[1]
@@ -26,6 +29,18 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
         s = x @ x.T
         x = a * x + (b * s + c * s @ s) @ x
     return (x.T if transposed else x).to(g.dtype)
+
+
+def _check_matrix(g, arg: str, fn: str) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise OptimTypeError(f"{fn}: {arg} is a {type(g).__name__}: give a 2-D tensor")
+    if g.ndim != 2:
+        raise OptimError(
+            f"{fn}: {arg} has shape {tuple(g.shape)} ({g.ndim}-D): give a 2-D matrix "
+            "(Newton-Schulz orthogonalises matrices only)"
+        )
+    if not (g.is_floating_point() or g.is_complex()):
+        raise OptimError(f"{fn}: {arg} has dtype {g.dtype}: give a floating-point matrix")
 
 
 def _coords(shape, index):
@@ -47,6 +62,15 @@ def orthogonalize(updates: list, steps: int = 5, *, naive: bool = False) -> list
     against sum(M)(N-1)/N for the naive all-gather) and runs K/N orthogonalisations instead of K,
     so communication and compute both shrink with N; two collectives per mesh, not per matrix.
     """
+    fn = "orthogonalize"
+    if isinstance(updates, torch.Tensor) or not isinstance(updates, (list, tuple)):
+        raise OptimTypeError(
+            f"{fn}: updates is a {type(updates).__name__}: give a list of 2-D tensors/DTensors"
+        )
+    for i, u in enumerate(updates):  # all checked before the first exchange
+        _check_matrix(u, f"updates[{i}]", fn)
+    check_int(steps, "steps", fn)
+    check_bool(naive, "naive", fn)
     out: list = [None] * len(updates)
     by_mesh: dict = {}
     for i, u in enumerate(updates):
@@ -185,6 +209,14 @@ class Muon(torch.optim.Optimizer):
         weight_decay=0.0,
         adjust_lr="spectral",
     ):
+        fn = "Muon"
+        check_params(params, fn)
+        check_number(lr, "lr", fn, tensor_ok=True)
+        check_number(momentum, "momentum", fn, high=1.0, high_open=True)
+        check_bool(nesterov, "nesterov", fn)
+        check_int(ns_steps, "ns_steps", fn)
+        check_number(weight_decay, "weight_decay", fn)
+        _adjusted_lr(1.0, (1, 1), adjust_lr)
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ._clip import OptimError
+from ._checks import check_bool, check_int, check_number, check_params
+from .errors import OptimError, OptimTypeError
 
 __all__ = ["AdamW", "ChainedOptimizer", "get_hyper_optimizer"]
 
@@ -32,6 +33,20 @@ class AdamW(torch.optim.AdamW):
         maximize=False,
         capturable=False,
     ):
+        fn = "AdamW"
+        check_params(params, fn)
+        check_number(lr, "lr", fn, tensor_ok=capturable is True)  # torch: tensor lr needs it
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise OptimTypeError(
+                f"{fn}: betas={betas!r}: give a pair (beta1, beta2), e.g. (0.9, 0.999)"
+            )
+        for i, b in enumerate(betas):
+            check_number(b, f"betas[{i}]", fn, high=1.0, high_open=True, tensor_ok=True)
+        check_number(eps, "eps", fn)
+        check_number(weight_decay, "weight_decay", fn)
+        check_bool(amsgrad, "amsgrad", fn)
+        check_bool(maximize, "maximize", fn)
+        check_bool(capturable, "capturable", fn)
         super().__init__(
             params,
             lr=lr,
@@ -51,9 +66,25 @@ class ChainedOptimizer:
     and ``param_groups`` (all groups, so one LR scheduler drives them all)."""
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        if isinstance(optimizers, (torch.optim.Optimizer, ChainedOptimizer)):
+            raise OptimTypeError(
+                f"ChainedOptimizer: optimizers is a single {type(optimizers).__name__}: give a "
+                "list of optimizers, e.g. ChainedOptimizer([muon, adamw])"
+            )
+        if isinstance(optimizers, (str, bytes, dict)) or not hasattr(optimizers, "__iter__"):
+            raise OptimTypeError(
+                f"ChainedOptimizer: optimizers is a {type(optimizers).__name__}: give a list of "
+                "optimizers"
+            )
         self.optimizers = list(optimizers)
         if not self.optimizers:
             raise OptimError("ChainedOptimizer needs at least one optimizer")
+        for i, opt in enumerate(self.optimizers):
+            if not all(hasattr(opt, a) for a in ("param_groups", "step", "state_dict")):
+                raise OptimTypeError(
+                    f"ChainedOptimizer: optimizers[{i}] is a {type(opt).__name__}, not an "
+                    "optimizer: give torch.optim.Optimizer instances (AdamW, Muon, ...)"
+                )
         seen: set[int] = set()
         for opt in self.optimizers:
             for g in opt.param_groups:
@@ -88,6 +119,12 @@ class ChainedOptimizer:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not isinstance(state.get("optimizers"), (list, tuple)):
+            kind = type(state).__name__ if not isinstance(state, dict) else "dict without it"
+            raise OptimTypeError(
+                f"ChainedOptimizer.load_state_dict: state is a {kind}: give the dict "
+                "{'optimizers': [...]} that ChainedOptimizer.state_dict() returned"
+            )
         states = state["optimizers"]
         if len(states) != len(self.optimizers):
             raise OptimError(
@@ -100,6 +137,25 @@ class ChainedOptimizer:
 _HYPER = ("lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps", "adjust_lr")
 _ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr")
+
+
+def _check_hyper(d: dict, where: str, fn: str) -> None:
+    """The hyper-parameters of one config level, checked as AdamW/Muon check their own."""
+    for k in ("lr", "weight_decay", "eps"):
+        if k in d:
+            check_number(d[k], f"{where}['{k}']", fn, tensor_ok=k == "lr")
+    if "momentum" in d:
+        check_number(d["momentum"], f"{where}['momentum']", fn, high=1.0, high_open=True)
+    if "nesterov" in d:
+        check_bool(d["nesterov"], f"{where}['nesterov']", fn)
+    if "ns_steps" in d:
+        check_int(d["ns_steps"], f"{where}['ns_steps']", fn)
+    if "betas" in d:
+        b = d["betas"]
+        if isinstance(b, (str, bytes)) or not hasattr(b, "__len__") or len(b) != 2:
+            raise OptimTypeError(f"{fn}: {where}['betas']={b!r}: give a pair (beta1, beta2)")
+        for i, x in enumerate(b):
+            check_number(x, f"{where}['betas'][{i}]", fn, high=1.0, high_open=True)
 
 
 def get_hyper_optimizer(model: torch.nn.Module, config: dict):
@@ -118,6 +174,36 @@ def get_hyper_optimizer(model: torch.nn.Module, config: dict):
     """
     from ._muon import Muon
 
+    fn = "get_hyper_optimizer"
+    if not isinstance(model, torch.nn.Module):
+        raise OptimTypeError(f"{fn}: model is a {type(model).__name__}: give a torch.nn.Module")
+    if not isinstance(config, dict):
+        raise OptimTypeError(
+            f"{fn}: config is a {type(config).__name__}: give a dict such as "
+            "{'optimizer': 'adamw', 'lr': 1e-3}"
+        )
+    groups_cfg = config.get("groups", [])
+    if not isinstance(groups_cfg, (list, tuple)):
+        raise OptimTypeError(
+            f"{fn}: config['groups'] is a {type(groups_cfg).__name__}: give a list of dicts"
+        )
+    for i, rule in enumerate(groups_cfg):
+        if not isinstance(rule, dict):
+            raise OptimTypeError(
+                f"{fn}: config['groups'][{i}] is a {type(rule).__name__}: give a dict such as "
+                "{'match': ['tok.*'], 'optimizer': 'adamw'}"
+            )
+        pats = rule.get("match", [])
+        if isinstance(pats, (str, bytes)) or not isinstance(pats, (list, tuple)):
+            raise OptimTypeError(
+                f"{fn}: config['groups'][{i}]['match']={pats!r}: give a list of fnmatch "
+                f"patterns, e.g. [{pats!r}]"
+            )
+        if "ndim" in rule:
+            check_int(rule["ndim"], f"config['groups'][{i}]['ndim']", fn)
+    _check_hyper(config, "config", fn)
+    for i, rule in enumerate(groups_cfg):
+        _check_hyper(rule, f"config['groups'][{i}]", fn)
     known = set(_HYPER) | {"groups", "optimizer"}
     unknown = sorted(set(config) - known)
     if unknown:

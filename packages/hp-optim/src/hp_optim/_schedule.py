@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from ._clip import OptimError
+from ._checks import check_int, check_number
+from .errors import OptimError, OptimTypeError
 
 __all__ = ["LRScheduleConfig", "lr_factor", "HyperLRScheduler", "get_hyper_lr_scheduler"]
 
@@ -33,6 +34,11 @@ class LRScheduleConfig:
     decay_steps: int = 0
 
     def __post_init__(self):
+        fn = "LRScheduleConfig"
+        check_int(self.warmup_steps, "warmup_steps", fn)
+        check_int(self.total_steps, "total_steps", fn, low=1)
+        check_int(self.decay_steps, "decay_steps", fn)
+        check_number(self.min_lr_ratio, "min_lr_ratio", fn, high=1.0)
         if self.decay_style not in _STYLES:
             raise OptimError(f"decay_style={self.decay_style!r}: use one of {_STYLES}")
         if self.total_steps < 1 or self.warmup_steps < 0 or self.warmup_steps > self.total_steps:
@@ -46,6 +52,11 @@ class LRScheduleConfig:
     @classmethod
     def from_dict(cls, config: dict) -> LRScheduleConfig:
         """Build from a dict; unknown keys raise ``OptimError`` naming them."""
+        if not isinstance(config, dict):
+            raise OptimTypeError(
+                f"scheduler config is a {type(config).__name__}: give a dict such as "
+                "{'warmup_steps': 100, 'total_steps': 10000} (or an LRScheduleConfig)"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
@@ -55,6 +66,12 @@ class LRScheduleConfig:
 
 def lr_factor(step: int, cfg: LRScheduleConfig) -> float:
     """The LR multiplier at ``step`` (0-based)."""
+    if not isinstance(cfg, LRScheduleConfig):
+        raise OptimTypeError(
+            f"lr_factor: cfg is a {type(cfg).__name__}: give an LRScheduleConfig "
+            "(LRScheduleConfig.from_dict(d) builds one from a dict)"
+        )
+    check_int(step, "step", "lr_factor")
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     lo = cfg.min_lr_ratio
@@ -74,11 +91,26 @@ def lr_factor(step: int, cfg: LRScheduleConfig) -> float:
     return lo + (1 - lo) * (1 - u)
 
 
+def _check_optimizer(optimizer, fn: str) -> None:
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "lr" in g for g in groups):
+        raise OptimTypeError(
+            f"{fn}: optimizer is a {type(optimizer).__name__}, not an optimizer: give one with "
+            "param_groups (AdamW, Muon, ChainedOptimizer, any torch.optim.Optimizer)"
+        )
+
+
 class HyperLRScheduler:
     """Applies ``lr_factor`` to every param group of ``optimizer`` (base LR = the group's LR at
     construction). ``step()`` after each optimizer step, like torch's schedulers."""
 
     def __init__(self, optimizer, cfg: LRScheduleConfig) -> None:
+        _check_optimizer(optimizer, "HyperLRScheduler")
+        if not isinstance(cfg, LRScheduleConfig):
+            raise OptimTypeError(
+                f"HyperLRScheduler: cfg is a {type(cfg).__name__}: give an LRScheduleConfig "
+                "(or use get_hyper_lr_scheduler(optimizer, dict))"
+            )
         self.optimizer, self.cfg = optimizer, cfg
         for g in optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
@@ -103,7 +135,16 @@ class HyperLRScheduler:
         return {"last_step": self.last_step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.last_step = int(state["last_step"])
+        if not isinstance(state, dict) or "last_step" not in state:
+            raise OptimTypeError(
+                f"HyperLRScheduler.load_state_dict: state is a {type(state).__name__}"
+                f"{' without last_step' if isinstance(state, dict) else ''}: give the dict "
+                "{'last_step': n} that state_dict() returned"
+            )
+        v = state["last_step"]
+        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # a 0-d tensor from a checkpoint
+            v = v.item()
+        self.last_step = check_int(v, "state['last_step']", "load_state_dict")
         self._apply()
 
 
@@ -111,5 +152,6 @@ def get_hyper_lr_scheduler(optimizer, config: dict | LRScheduleConfig) -> HyperL
     """A scheduler from a config dict (see ``LRScheduleConfig``), e.g.
     ``{"warmup_steps": 100, "total_steps": 10000, "decay_style": "cosine", "min_lr_ratio": 0.1}``.
     """
+    _check_optimizer(optimizer, "get_hyper_lr_scheduler")
     cfg = config if isinstance(config, LRScheduleConfig) else LRScheduleConfig.from_dict(config)
     return HyperLRScheduler(optimizer, cfg)
