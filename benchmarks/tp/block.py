@@ -7,6 +7,7 @@ target >= 1.0).
 
     python benchmarks/tp/block.py                         # CPU: 2 gloo ranks, small shapes
     python benchmarks/tp/block.py --sp                    # with sequence parallelism
+    python benchmarks/tp/block.py --sp --async-tp         # and ours with MC2 (async TP)
     torchrun --nproc_per_node=2 benchmarks/tp/block.py --device cuda --dim 4096 --seq 4096 \\
         --heads 32 --kv-heads 8 --hidden 11008 --batch 1 --dtype bfloat16
 """
@@ -49,12 +50,19 @@ def _run(rank, world, args, path, queue):
     ours_mesh = hp.init_device_mesh(args.device, (world,))
     torch_mesh = init_device_mesh(args.device, (world,))
     models = {}
-    for kind, mesh in (("ours", ours_mesh), ("torch", torch_mesh)):
+    kinds = [("ours", ours_mesh, None), ("torch", torch_mesh, None)]
+    if args.async_tp:  # ours with the row-parallel reduce-scatters fused (hp-kernels' MC2)
+        from hp_dtensor.parallel import CollectiveMatmul
+        from hp_kernels import mc2
+
+        fused = CollectiveMatmul(mc2.all_gather_matmul, mc2.matmul_reduce_scatter)
+        kinds.append(("ours_async", ours_mesh, {"collective_matmul": fused}))
+    for kind, mesh, row_kwargs in kinds:
         torch.manual_seed(0)
         with torch.device(device):
             m = lb.Block(args.dim, args.heads, args.kv_heads, args.hidden).to(dtype)
-        styles, parallelize = lb.tp_library(kind)
-        parallelize(m, mesh, lb.tp_plan(styles, sequence_parallel=args.sp))
+        styles, parallelize = lb.tp_library(kind.removesuffix("_async"))
+        parallelize(m, mesh, lb.tp_plan(styles, sequence_parallel=args.sp, row_kwargs=row_kwargs))
         models[kind] = m
     cos, sin = lb.rope_tables(args.seq, args.dim // args.heads)
     cos, sin = cos.to(device, dtype), sin.to(device, dtype)
@@ -71,7 +79,7 @@ def _run(rank, world, args, path, queue):
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    times = {"ours": [], "torch": []}
+    times = {k: [] for k in models}
     for _ in range(args.warmup):
         for k in models:
             step(models[k])
@@ -97,10 +105,19 @@ def _report(args, world, results):
     )
     ours = max(r["ours"] for r in results.values())
     theirs = max(r["torch"] for r in results.values())
-    print(f"{'impl':8s} {'ms/step':>9s} {'tokens/s':>11s}")
-    for name, t in (("torch", theirs), ("ours", ours)):
-        print(f"{name:8s} {t * 1e3:9.2f} {tokens / t:11.0f}")
+    rows = [("torch", theirs), ("ours", ours)]
+    if args.async_tp:
+        rows.append(("ours_async", max(r["ours_async"] for r in results.values())))
+    print(f"{'impl':10s} {'ms/step':>9s} {'tokens/s':>11s}")
+    for name, t in rows:
+        print(f"{name:10s} {t * 1e3:9.2f} {tokens / t:11.0f}")
     print(f"throughput ratio ours/torch: {theirs / ours:.3f} (target >= 1.0)")
+    if args.async_tp:
+        fused = rows[-1][1]
+        print(
+            f"throughput ratio ours_async/torch: {theirs / fused:.3f}, ours_async/ours: "
+            f"{ours / fused:.3f}"
+        )
 
 
 def main(argv=None) -> int:
@@ -114,11 +131,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism too")
+    ap.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="also ours with the row-parallel reduce-scatters fused into the matmuls (MC2); "
+        "needs --sp",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.async_tp and not args.sp:
+        ap.error("--async-tp fuses sequence parallelism's collectives: add --sp")
     return launch(_run, _report, args, world=2)
 
 

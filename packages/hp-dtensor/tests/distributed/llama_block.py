@@ -106,9 +106,10 @@ def tp_library(kind: str):
     ), tp.parallelize_module
 
 
-def tp_plan(styles, *, sequence_parallel: bool):
+def tp_plan(styles, *, sequence_parallel: bool, row_kwargs=None):
     """The torchtitan plan for one block; ``styles`` is ``hp_dtensor.parallel`` or
-    ``torch.distributed.tensor.parallel`` (same names), ``Shard``/``Replicate`` from it too."""
+    ``torch.distributed.tensor.parallel`` (same names), ``Shard``/``Replicate`` from it too.
+    ``row_kwargs`` go to the sequence-parallel row-wise styles (``collective_matmul``)."""
     col, row = styles.ColwiseParallel, styles.RowwiseParallel
     plan = {
         "attention.wq": col(),
@@ -128,12 +129,12 @@ def tp_plan(styles, *, sequence_parallel: bool):
             "attention": styles.PrepareModuleInput(
                 input_layouts=(shard1, None, None), desired_input_layouts=(rep, None, None)
             ),
-            "attention.wo": row(output_layouts=shard1),
+            "attention.wo": row(output_layouts=shard1, **(row_kwargs or {})),
             "ffn_norm": styles.SequenceParallel(),
             "feed_forward": styles.PrepareModuleInput(
                 input_layouts=(shard1,), desired_input_layouts=(rep,)
             ),
-            "feed_forward.w2": row(output_layouts=shard1),
+            "feed_forward.w2": row(output_layouts=shard1, **(row_kwargs or {})),
         }
     )
     return plan

@@ -461,3 +461,65 @@ def _gathered(order):
 def test_gathered_activation_gradients_in_any_order(pool, order):
     states = pool.run(_gathered, order)[0]
     assert states == (["partial"] if order[0] == "split" else ["exact"])
+
+
+class _Counting:
+    """A CollectiveMatmul over the reference kernels that counts its calls."""
+
+    def __init__(self):
+        self.calls = {"ag": 0, "rs": 0}
+
+        def ag(*a, **k):
+            self.calls["ag"] += 1
+            return hpp.UNFUSED.all_gather_matmul(*a, **k)
+
+        def rs(*a, **k):
+            self.calls["rs"] += 1
+            return hpp.UNFUSED.matmul_reduce_scatter(*a, **k)
+
+        self.kernels = hpp.CollectiveMatmul(ag, rs, name="counting")
+
+
+def _mlp_collective_matmul(fused: bool):
+    torch.manual_seed(0)
+    up, down = nn.Linear(16, 32), nn.Linear(32, 16)
+    x = torch.randn(2, 8, 16)
+    ref = down(F.gelu(up(x)))
+    ref.square().sum().backward()
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    r = torch.distributed.get_rank()
+    pu, pd = nn.Linear(16, 32), nn.Linear(32, 16)
+    pu.load_state_dict(up.state_dict())
+    pd.load_state_dict(down.state_dict())
+    count = _Counting()
+    kw = {"collective_matmul": count.kernels} if fused else {}
+    hpp.parallelize_module(pu, mesh, hpp.ColwiseParallel(input_layouts=Shard(1), **kw))
+    hpp.parallelize_module(pd, mesh, hpp.RowwiseParallel(output_layouts=Shard(1), **kw))
+    xl = x.chunk(2, dim=1)[r].clone().requires_grad_(True)
+    out = pd(F.gelu(pu(xl)))  # this rank's half of the sequence
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref.chunk(2, dim=1)[r])
+    for mine, theirs in ((pu, up), (pd, down)):
+        for name in ("weight", "bias"):
+            g = getattr(mine, name).grad
+            torch.testing.assert_close(g.full_tensor(), getattr(theirs, name).grad)
+    return count.calls, xl.grad
+
+
+def test_collective_matmul_matches_the_unfused_styles(pool):
+    fused = pool.run(_mlp_collective_matmul, True)
+    plain = pool.run(_mlp_collective_matmul, False)
+    # forward: one all-gather-matmul (colwise), one matmul-reduce-scatter (rowwise);
+    # backward: the same pair the other way round
+    assert [c for c, _ in fused] == [{"ag": 2, "rs": 2}] * 2
+    for (_, a), (_, b) in zip(fused, plain):
+        torch.testing.assert_close(a, b)
+
+
+def test_collective_matmul_needs_a_sequence_layout():
+    with pytest.raises(hp.PlacementError, match="input_layouts must be Shard"):
+        hpp.ColwiseParallel(collective_matmul=hpp.UNFUSED)
+    with pytest.raises(hp.PlacementError, match="output_layouts must be Shard"):
+        hpp.RowwiseParallel(output_layouts=Shard(-1), collective_matmul=hpp.UNFUSED)
+    with pytest.raises(hp.HPDTensorTypeError, match="collective_matmul='mc2'"):
+        hpp.RowwiseParallel(output_layouts=Shard(1), collective_matmul="mc2")

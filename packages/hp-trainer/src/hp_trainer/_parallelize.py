@@ -49,6 +49,9 @@ class ParallelizeConfig:
     activation_plan: dict | None = None
     #: FSDP keeps sharded parameters, gradients and optimizer states on the CPU
     cpu_offload: bool = False
+    #: tensor parallelism with the sequence-parallel collectives fused into the matmuls
+    #: (hp-kernels' MC2; needs ``sequence_parallel``)
+    async_tp: bool = False
     #: set by ``pipeline_llama`` for a stage: the activation plan was checked on the whole
     #: model, and a stage holds only some of the modules it names
     _stage: bool = False
@@ -84,7 +87,15 @@ def dp_mesh(mesh, parallel_dims: ParallelDims):
     return None
 
 
-def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
+def _async_tp_kernels():
+    """hp-kernels' MC2 as the fused collective matmuls of async TP."""
+    from hp_dtensor.parallel import CollectiveMatmul
+    from hp_kernels import mc2
+
+    return CollectiveMatmul(mc2.all_gather_matmul, mc2.matmul_reduce_scatter, name="hp_kernels")
+
+
+def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool, async_tp: bool = False) -> None:
     from hp_dtensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -95,11 +106,16 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
     )
 
     seq = hp.Shard(1) if sp else hp.Replicate()
+    # async TP: the linears that meet the sequence-sharded activations directly (the output
+    # head's gather, every row-parallel projection's reduce-scatter) fuse that collective
+    # into their matmul (hp-kernels' MC2); the q/k/v and w1/w3 inputs are gathered once per
+    # module and shared, as without it
+    fused = {"collective_matmul": _async_tp_kernels()} if async_tp else {}
     top = {}  # a pipeline stage may lack the embedding, the final norm or the output
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=hp.Replicate(), output_layouts=seq)
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=hp.Replicate())
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=hp.Replicate(), **fused)
     if sp and model.norm is not None:
         top["norm"] = SequenceParallel()
     if top:
@@ -126,7 +142,7 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
                 ),
                 "feed_forward.w1": ColwiseParallel(),
                 "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq, **fused),
             }
         if sp:
             plan["attention_norm"] = SequenceParallel()
@@ -142,7 +158,7 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
             plan["linear_attention"] = enter
             for name in ("q", "k", "v", "z", "b", "a"):
                 plan[f"linear_attention.in_proj_{name}"] = ColwiseParallel()
-            plan["linear_attention.out_proj"] = RowwiseParallel(output_layouts=seq)
+            plan["linear_attention.out_proj"] = RowwiseParallel(output_layouts=seq, **fused)
             parallelize_module(block, tp_mesh, plan)
             head_local(gdn, tp_mesh, shard={"A_log": 0, "dt_bias": 0})
             for conv in (gdn.conv_q, gdn.conv_k, gdn.conv_v):
@@ -150,7 +166,7 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
             head_local(gdn.norm, tp_mesh, replicate=("weight",))
             continue
         if hasattr(block.attention, "wkv_b"):  # DeepSeek's MLA: heads split, latents whole
-            plan["attention.wo"] = RowwiseParallel(output_layouts=seq)
+            plan["attention.wo"] = RowwiseParallel(output_layouts=seq, **fused)
             parallelize_module(block, tp_mesh, plan)
             _mla_tensor_parallel(block.attention, tp_mesh, seq)
             continue
@@ -160,7 +176,7 @@ def _tp_plan(model: nn.Module, tp_mesh, sp: bool, qk_norm: bool) -> None:
                 "attention.wq": ColwiseParallel(),  # Qwen3.5: each head's query and gate rows
                 "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=seq),
+                "attention.wo": RowwiseParallel(output_layouts=seq, **fused),
             }
         )
         if qk_norm:  # per-head norms see only this rank's heads: their grads are all-reduced
@@ -588,6 +604,21 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
     with a :class:`ConfigError` naming the trainer's config key (``hp-train``'s preflight and
     :func:`parallelize_llama` both call it)."""
     fsdp = pd.dp * pd.cp > 1  # FSDP shards over dp_shard x cp (and replicates over dp_rep.)
+    if config.async_tp:
+        if pd.tp == 1 or not config.sequence_parallel:
+            raise ConfigError(
+                "parallelism.async_tp=true fuses sequence parallelism's collectives into the "
+                f"matmuls: it needs tensor_parallel_degree > 1 (got {pd.tp}) and "
+                "sequence_parallel = true"
+            )
+        import hp_kernels
+
+        if not hp_kernels.is_built():
+            raise ConfigError(
+                "parallelism.async_tp=true runs hp-kernels' MC2, whose compiled module is "
+                "missing: reinstall hp-kernels (pip install packages/hp-kernels), or leave "
+                "async_tp false"
+            )
     if config.compile:
         untested = {
             "tensor_parallel_degree": pd.tp,
@@ -702,7 +733,7 @@ def parallelize_llama(
     if expert_mesh is None and pd.ep > 1:
         expert_mesh = pd.build_expert_mesh(device_type)
     if pd.tp > 1:
-        _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm)
+        _tp_plan(model, mesh["tp"], config.sequence_parallel, cfg.qk_norm, config.async_tp)
         model.tie_weights()  # embedding (Shard(0) on vocab) and output (Shard(0)) agree
     if pd.cp > 1:
         apply_context_parallel(

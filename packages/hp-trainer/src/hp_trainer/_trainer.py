@@ -116,6 +116,7 @@ def parallelize_config(cfg: JobConfig) -> ParallelizeConfig:
         seq_len=t.seq_len,
         compile=t.compile,
         cpu_offload=p.fsdp_cpu_offload,
+        async_tp=p.async_tp,
     )
 
 

@@ -87,6 +87,9 @@ class Parallelism:
     collectives: str = "torch"  # "hp_kernels": CPU collectives through shared memory
     # FSDP keeps sharded parameters, gradients and optimizer states in host memory
     fsdp_cpu_offload: bool = False
+    # fuse sequence parallelism's all-gather / reduce-scatter into the matmuls (hp-kernels'
+    # MC2): the row-parallel projections and the output head
+    async_tp: bool = False
 
 
 @dataclass

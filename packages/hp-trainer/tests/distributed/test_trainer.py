@@ -1,10 +1,10 @@
-"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x FSDP 2 (1F1B, activation
-checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2 ring, CP 2 x TP 2
-all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP; FSDP 4 with CPU
-offload and a swap / selective-recomputation plan) give the one-process
-losses (within 1e-4) with
-accumulation, clipping and the LR schedule in the loop; a run killed after a checkpoint
-resumes with the uninterrupted run's losses; the hp-train CLI end to end."""
+"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 (also with async TP), HSDP 2 x 2, PP 2 x FSDP 2
+(1F1B, activation checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2
+ring, CP 2 x TP 2 all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP;
+FSDP 4 with CPU offload and a swap / selective-recomputation plan) give the one-process losses
+(within 1e-4) with accumulation, clipping and the LR schedule in the loop; async TP runs
+hp-kernels' MC2; a run killed after a checkpoint resumes with the uninterrupted run's losses;
+the hp-train CLI end to end."""
 
 import os
 import subprocess
@@ -51,6 +51,10 @@ def _losses(dump, parallel, kill_at=None):
 PAR = {
     "fsdp2xtp2": "--parallelism.data_parallel_shard_degree 2 "
     "--parallelism.tensor_parallel_degree 2",
+    # async TP: the row-parallel projections' reduce-scatters and the output head's gather
+    # fused into their matmuls (hp-kernels' MC2 through shared memory)
+    "fsdp2xtp2-async": "--parallelism.data_parallel_shard_degree 2 "
+    "--parallelism.tensor_parallel_degree 2 --parallelism.async_tp true",
     "hsdp2x2": "--parallelism.data_parallel_replicate_degree 2 "
     "--parallelism.data_parallel_shard_degree 2",
     "pp2xfsdp2-ac": "--parallelism.pipeline_parallel_degree 2 "
@@ -153,3 +157,33 @@ def test_hp_train_cli(tmp_path):
         )
         assert message in bad.stderr
         assert all("parallelism." in ln or "config key" in ln for ln in bad.stderr.splitlines())
+
+
+def _mc2_calls(dump):
+    from hp_kernels import mc2
+
+    calls = {"ag": 0, "rs": 0}
+    ag, rs = mc2.all_gather_matmul, mc2.matmul_reduce_scatter
+
+    def count_ag(*a, **k):
+        calls["ag"] += 1
+        return ag(*a, **k)
+
+    def count_rs(*a, **k):
+        calls["rs"] += 1
+        return rs(*a, **k)
+
+    mc2.all_gather_matmul, mc2.matmul_reduce_scatter = count_ag, count_rs
+    try:
+        args = [*FAST, "--training.steps", "1", "--job.dump_folder", dump]
+        args += PAR["fsdp2xtp2-async"] + ["--training.local_batch_size", "0"]
+        LLMTrainer(load_config(None, args)).train()
+    finally:
+        mc2.all_gather_matmul, mc2.matmul_reduce_scatter = ag, rs
+    return calls
+
+
+def test_async_tp_runs_the_mc2_kernels(pool, tmp_path):
+    # one step, one microbatch, 2 blocks: forward reduce-scatters wo and w2 of each block and
+    # gathers the output head's input (5 calls), backward the other way round
+    assert pool.run(_mc2_calls, str(tmp_path)) == [{"ag": 5, "rs": 5}] * 4

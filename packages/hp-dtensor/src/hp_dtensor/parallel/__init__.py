@@ -11,6 +11,7 @@ Styles are immutable values applied to submodules chosen by path patterns::
 """
 
 from ._api import parallelize_module
+from ._collective_matmul import UNFUSED, CollectiveMatmul
 from ._context import (
     AsyncContextParallel,
     ContextParallel,
@@ -31,7 +32,9 @@ from ._style import (
 )
 
 __all__ = [
+    "UNFUSED",
     "AsyncContextParallel",
+    "CollectiveMatmul",
     "ColwiseParallel",
     "ContextParallel",
     "ParallelStyle",

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .._checks import check_bool
 from .._dtensor import DTensor, distribute_tensor
 from .._mesh import DeviceMesh
-from .._placement import Placement, Replicate, Shard
+from .._placement import Partial, Placement, Replicate, Shard
 from ..errors import HPDTensorTypeError, MeshError, PlacementError
 
 __all__ = [
@@ -158,6 +158,9 @@ class _Linearish(ParallelStyle):
     input_layouts: Any = None
     output_layouts: Any = None
     use_local_output: bool = True
+    #: a :class:`CollectiveMatmul`: fuse the sequence-parallel collective into the matmul
+    #: (async TP / MC2); see :class:`ColwiseParallel` and :class:`RowwiseParallel`
+    collective_matmul: Any = None
 
     _kind = ""  # "colwise" or "rowwise" (for the MindSpore binding)
 
@@ -168,6 +171,55 @@ class _Linearish(ParallelStyle):
             if value is not None:
                 _placement(value, f"{name}: {arg}")
         check_bool(self.use_local_output, "use_local_output", name)
+        if self.collective_matmul is not None:
+            from ._collective_matmul import CollectiveMatmul
+
+            if not isinstance(self.collective_matmul, CollectiveMatmul):
+                raise HPDTensorTypeError(
+                    f"{name}: collective_matmul={self.collective_matmul!r} is a "
+                    f"{type(self.collective_matmul).__name__}: give a "
+                    "hp_dtensor.parallel.CollectiveMatmul (or None)"
+                )
+            layout = self.input_layouts if self._kind == "colwise" else self.output_layouts
+            arg = "input_layouts" if self._kind == "colwise" else "output_layouts"
+            p = _placement(layout, f"{name}: {arg}") if layout is not None else None
+            if not isinstance(p, Shard) or p.dim == -1:
+                raise PlacementError(
+                    f"{name}: collective_matmul fuses the sequence-parallel collective, so "
+                    f"{arg} must be Shard(d) on a dim other than the last (the sequence, "
+                    f"e.g. Shard(1)); got {layout!r}"
+                )
+
+    def _fused_forward(self, module, mesh, in_pl, desired_in, out_pl):
+        """``module``'s forward as one fused collective matmul (``collective_matmul``)."""
+        from ._collective_matmul import all_gather_linear, linear_reduce_scatter
+
+        kernels, group, use_local = self.collective_matmul, mesh.get_group(), self.use_local_output
+        colwise = self._kind == "colwise"
+        name = type(self).__name__
+
+        def forward(x):
+            x = _as_dtensor(x, mesh, in_pl, in_pl if colwise else desired_in)
+            x = x.to_local() if isinstance(x, DTensor) else x
+            dim = (in_pl if colwise else out_pl).dim % x.dim()
+            if dim == x.dim() - 1:
+                raise PlacementError(
+                    f"{name}: collective_matmul: the sequence dim {dim} of a {x.dim()}-D input "
+                    "is its feature dim: shard a dim other than the last"
+                )
+            w = module.weight.to_local()
+            b = module.bias
+            if colwise:
+                b = b.to_local() if b is not None else None
+                y = all_gather_linear(x, w, b, kernels, group, dim)
+                out = DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+            else:  # the whole bias, added once after the reduction: its gradient is partial
+                b = b.to_local(grad_placements=[Partial()]) if b is not None else None
+                y = linear_reduce_scatter(x, w, b, kernels, group, dim)
+                out = DTensor.from_local(y, mesh, [Shard(dim)], run_check=False)
+            return _output(out, mesh, out_pl, use_local)
+
+        return forward
 
     # (weight placement, bias placement, desired input, default input, default output)
     def _plan(self, module) -> tuple:  # pragma: no cover - overridden
@@ -198,6 +250,14 @@ class _Linearish(ParallelStyle):
         in_pl = _placement(self.input_layouts or default_in, "input_layouts")
         out_pl = _placement(self.output_layouts or default_out, "output_layouts")
         use_local = self.use_local_output
+        if self.collective_matmul is not None:
+            if not isinstance(module, nn.Linear):
+                raise HPDTensorTypeError(
+                    f"{type(self).__name__}: collective_matmul applies to nn.Linear, not "
+                    f"{type(module).__name__}: leave it None for this module"
+                )
+            module.forward = self._fused_forward(module, device_mesh, in_pl, desired_in, out_pl)
+            return module
 
         def pre(mod, inputs):
             return (_as_dtensor(inputs[0], device_mesh, in_pl, desired_in), *inputs[1:])
@@ -217,6 +277,11 @@ class ColwiseParallel(_Linearish):
     Input: ``input_layouts`` (default ``Replicate()``), gathered to replicated. Output: sharded
     on the last dim, redistributed to ``output_layouts`` (default ``Shard(-1)``); returned as the
     local tensor when ``use_local_output``.
+
+    ``collective_matmul`` (a :class:`CollectiveMatmul`, with ``input_layouts=Shard(d)`` on the
+    sequence): the all-gather of the input is fused into the matmul, each rank's chunk
+    multiplied as it arrives (async TP); backward reduce-scatters the input's gradient the same
+    way. Same math as without it.
     """
 
     _kind = "colwise"
@@ -234,6 +299,10 @@ class RowwiseParallel(_Linearish):
     Input: ``input_layouts`` (default ``Shard(-1)``; replicated ids for an Embedding). The local
     products are partial sums, reduced to ``output_layouts`` (default ``Replicate()``: an
     all-reduce; ``Shard(1)``: a reduce-scatter for sequence parallelism).
+
+    ``collective_matmul`` (a :class:`CollectiveMatmul`, with ``output_layouts=Shard(d)`` on
+    the sequence): each chunk of the product is reduce-scattered as soon as it is computed
+    (async TP); backward all-gathers the output's gradient into the input-gradient matmul.
     """
 
     _kind = "rowwise"
