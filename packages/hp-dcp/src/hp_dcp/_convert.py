@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -16,7 +17,7 @@ import torch
 
 from hp_dtensor import DTensor, Replicate, Shard, local_shape_and_offset
 
-from ._api import _metadata
+from ._api import _check_bool, _metadata
 from ._codec import encode
 from ._meta import Metadata, TensorEntry, element_size, numel
 from ._plan import SavePlanner, WriteItem, plan_reads
@@ -27,7 +28,7 @@ from ._storage import (
     open_checkpoint,
     torch_dtype,
 )
-from .errors import CheckpointError, CorruptCheckpointError, StateDictError
+from .errors import CheckpointError, CorruptCheckpointError, DCPTypeError, StateDictError
 
 __all__ = [
     "consolidate",
@@ -43,6 +44,71 @@ __all__ = [
 
 NameMap = Mapping[str, str | None] | Callable[[str], str | None] | None
 HF_INDEX = "model.safetensors.index.json"
+
+
+def _check_path(value, arg: str, fn: str) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise DCPTypeError(
+            f"{fn}: {arg}={value!r} is a {type(value).__name__}: give a path (a str or "
+            "pathlib.Path)"
+        )
+
+
+def _check_name_map(name_map, fn: str) -> None:
+    """None, a callable, or a mapping of regex -> new name (or None: drop)."""
+    if name_map is None or callable(name_map):
+        return
+    if not isinstance(name_map, Mapping):
+        raise DCPTypeError(
+            f"{fn}: name_map is a {type(name_map).__name__}: give a dict of regex -> new name "
+            "(or None to drop), a function name -> new name, or None"
+        )
+    for pat, rep in name_map.items():
+        if not isinstance(pat, str) or not (rep is None or isinstance(rep, str)):
+            bad = pat if not isinstance(pat, str) else rep
+            raise DCPTypeError(
+                f"{fn}: name_map[{pat!r}]={rep!r}: {bad!r} is a {type(bad).__name__}; keys are "
+                "regex strs, values new-name strs (or None to drop)"
+            )
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise StateDictError(
+                f"{fn}: name_map pattern {pat!r} is not a regular expression: {e}"
+            ) from None
+
+
+def _check_common(fn: str, *, progress, name_map=None, allow_pickle=False) -> None:
+    _check_name_map(name_map, fn)
+    _check_bool(progress, "progress", fn)
+    _check_bool(allow_pickle, "allow_pickle", fn)
+
+
+def _check_hf(fn: str, max_shard_bytes, dtype) -> torch.dtype | None:
+    """Check the HF export arguments; returns ``dtype`` as a torch.dtype (a str such as
+    ``"bfloat16"`` is taken by name)."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, numbers.Real):
+        raise DCPTypeError(
+            f"{fn}: max_shard_bytes={max_shard_bytes!r} is a {type(max_shard_bytes).__name__}: "
+            "give a number of bytes >= 1, e.g. 5 * 2**30"
+        )
+    if not max_shard_bytes >= 1 or max_shard_bytes == float("inf"):
+        raise StateDictError(
+            f"{fn}: max_shard_bytes={max_shard_bytes!r}: give a finite number of bytes >= 1"
+        )
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(named, torch.dtype):
+            return named
+        raise StateDictError(
+            f"{fn}: dtype={dtype!r} names no torch dtype: give e.g. torch.bfloat16 or 'bfloat16'"
+        )
+    raise DCPTypeError(
+        f"{fn}: dtype={dtype!r} is a {type(dtype).__name__}: give a torch.dtype (e.g. "
+        "torch.bfloat16) or None"
+    )
 
 
 def _renamer(name_map: NameMap) -> Callable[[str], str | None]:
@@ -174,6 +240,10 @@ def export_hf(
     (``model-0000i-of-0000n.safetensors``) plus ``model.safetensors.index.json`` in folder
     ``dst``, renaming with ``name_map`` and casting floating tensors to ``dtype`` if given.
     Non-tensor values are not exported. One tensor is in memory at a time. Returns the index."""
+    _check_path(src, "src", "export_hf")
+    _check_path(dst, "dst", "export_hf")
+    _check_common("export_hf", progress=progress, name_map=name_map)
+    dtype = _check_hf("export_hf", max_shard_bytes, dtype)
     rename = _renamer(name_map)
     with open_checkpoint(src) as reader:
         md = reader.metadata
@@ -207,6 +277,15 @@ def save_hf(
     """Write an in-memory dict of whole (unsharded) tensors as HuggingFace safetensors shards +
     index in ``dst`` (one process; for sharded state save with :func:`hp_dcp.save` and
     :func:`export_hf`). Tensors sharing storage (tied weights) must be given once."""
+    if not isinstance(state_dict, Mapping):
+        hint = " (pass model.state_dict())" if isinstance(state_dict, torch.nn.Module) else ""
+        raise DCPTypeError(
+            f"save_hf: state_dict is a {type(state_dict).__name__}: give a dict of name -> "
+            f"tensor{hint}"
+        )
+    _check_path(dst, "dst", "save_hf")
+    _check_common("save_hf", progress=progress, name_map=name_map)
+    dtype = _check_hf("save_hf", max_shard_bytes, dtype)
     rename = _renamer(name_map)
     plan, by_new = [], {}
     for key, t in state_dict.items():
@@ -227,6 +306,9 @@ def save_hf(
 def consolidate(src, out, *, name_map: NameMap = None, progress: bool = False) -> None:
     """All tensors of checkpoint ``src``, unsharded, into the single safetensors file ``out``
     (non-tensor values are listed in its ``__metadata__`` but not stored)."""
+    _check_path(src, "src", "consolidate")
+    _check_path(out, "out", "consolidate")
+    _check_common("consolidate", progress=progress, name_map=name_map)
     rename = _renamer(name_map)
     with open_checkpoint(src) as reader:
         md = reader.metadata
@@ -255,6 +337,11 @@ def consolidate(src, out, *, name_map: NameMap = None, progress: bool = False) -
 
 def parse_placements(text: str) -> tuple:
     """``"S(0)R"`` or ``"Shard(0), Replicate()"`` -> ``(Shard(0), Replicate())``."""
+    if not isinstance(text, str):
+        raise DCPTypeError(
+            f"placements={text!r} is a {type(text).__name__}: write a str with one placement per "
+            "mesh dimension as S(<dim>) or R, e.g. 'S(0)R'"
+        )
     out = []
     for tok in re.findall(r"S(?:hard)?\((\d+)\)|(R)(?:eplicate\(\))?", text.replace(" ", "")):
         out.append(Shard(int(tok[0])) if tok[0] else Replicate())
@@ -262,7 +349,7 @@ def parse_placements(text: str) -> tuple:
     plain = re.sub(r"Shard\((\d+)\)", r"S(\1)", text.replace(" ", "").replace(",", ""))
     plain = plain.replace("Replicate()", "R")
     if not out or canon != plain:
-        raise ValueError(
+        raise StateDictError(
             f"placements {text!r}: write one per mesh dimension as S(<dim>) or R, e.g. 'S(0)R'"
         )
     return tuple(out)
@@ -304,7 +391,10 @@ def _rewrite(
     rule_pl = [(pat, parse_placements(pl)) for pat, pl in (rules or {}).items()]
     for _, pl in rule_pl + [("", default_pl)]:
         if len(pl) != len(mesh_shape):
-            raise ValueError(f"placements {pl} do not match mesh {tuple(mesh_shape)}")
+            raise StateDictError(
+                f"placements {pl} do not match mesh_shape={tuple(mesh_shape)}: give one "
+                f"placement per mesh dimension ({len(mesh_shape)})"
+            )
     items_by_rank: list[list[WriteItem]] = [[] for _ in range(world)]
     source_of: dict[str, str] = {}
     for key, e in md.tensors.items():
@@ -376,6 +466,9 @@ def _rewrite(
 def import_hf(src, dst, *, name_map: NameMap = None, progress: bool = False) -> Metadata:
     """A HuggingFace safetensors checkpoint (file or folder) as an hp_dcp checkpoint in ``dst``
     (one process, tensors renamed by ``name_map``), streaming one tensor at a time."""
+    _check_path(src, "src", "import_hf")
+    _check_path(dst, "dst", "import_hf")
+    _check_common("import_hf", progress=progress, name_map=name_map)
     with open_checkpoint(src) as reader:
         return _rewrite(reader, dst, name_map=name_map, progress=progress, desc="import")
 
@@ -394,11 +487,18 @@ def convert(
     ``to="hf"`` (safetensors shards + index; see :func:`export_hf` for ``kwargs``) or
     ``to="dcp"`` (an hp_dcp checkpoint written by one process, its values stored as data;
     ``allow_pickle`` reads an old checkpoint's pickled values, only for one you trust)."""
+    _check_path(src, "src", "convert")
+    _check_path(dst, "dst", "convert")
+    if to not in ("hf", "dcp"):
+        raise StateDictError(f"convert: to={to!r}: use 'hf' or 'dcp'")
+    _check_common("convert", progress=progress, name_map=name_map, allow_pickle=allow_pickle)
     if to == "hf":
         return export_hf(src, dst, name_map=name_map, progress=progress, **kwargs)
     if to == "dcp":
         if kwargs:
-            raise TypeError(f"convert(to='dcp') takes no {sorted(kwargs)}")
+            raise DCPTypeError(
+                f"convert(to='dcp') takes no {sorted(kwargs)}: those are export_hf's (to='hf')"
+            )
         with open_checkpoint(src) as reader:
             return _rewrite(
                 reader,
@@ -408,7 +508,7 @@ def convert(
                 desc="convert",
                 allow_pickle=allow_pickle,
             )
-    raise ValueError(f"to={to!r}: use 'hf' or 'dcp'")
+    raise AssertionError(to)  # checked above
 
 
 def reshard(
@@ -425,7 +525,38 @@ def reshard(
     would save it: each tensor gets the placements of the first ``rules`` pattern (fnmatch on
     its name) it matches, else ``placements``; rank ``r``'s shards land in its own data file,
     so loading with that layout reads one contiguous range per tensor."""
-    mesh_shape = tuple(int(s) for s in mesh_shape)
+    fn = "reshard"
+    _check_path(src, "src", fn)
+    _check_path(dst, "dst", fn)
+    _check_common(fn, progress=progress, allow_pickle=allow_pickle)
+    if isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__"):
+        raise DCPTypeError(
+            f"{fn}: mesh_shape={mesh_shape!r} is a {type(mesh_shape).__name__}: give a tuple of "
+            "positive ints, e.g. (2,) or (2, 4)"
+        )
+    mesh_shape = tuple(mesh_shape)
+    for i, n in enumerate(mesh_shape):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise DCPTypeError(
+                f"{fn}: mesh_shape[{i}]={n!r} is a {type(n).__name__}: give a positive int"
+            )
+        if n < 1:
+            raise StateDictError(f"{fn}: mesh_shape[{i}]={n!r}: give a positive int")
+    if not mesh_shape:
+        raise StateDictError(f"{fn}: mesh_shape=(): give at least one mesh dimension, e.g. (2,)")
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    if placements is not None and placements != "":  # empty: replicate everything
+        parse_placements(placements)
+    if rules is not None:
+        if not isinstance(rules, Mapping):
+            raise DCPTypeError(
+                f"{fn}: rules is a {type(rules).__name__}: give a dict of fnmatch pattern -> "
+                "placements str, e.g. {'*.norm.*': 'R'}"
+            )
+        for pat, pl in rules.items():
+            if not isinstance(pat, str):
+                raise DCPTypeError(f"{fn}: rules key {pat!r} is a {type(pat).__name__}: give a str")
+            parse_placements(pl)
     with open_checkpoint(src) as reader:
         return _rewrite(
             reader,
@@ -444,6 +575,8 @@ def verify(src, *, progress: bool = False, allow_pickle: bool = False) -> list[s
     data (a pickled one is a problem unless ``allow_pickle``, for a checkpoint you trust).
     Returns one line per problem (empty when the checkpoint is sound): the file, byte range
     and key."""
+    _check_path(src, "src", "verify")
+    _check_common("verify", progress=progress, allow_pickle=allow_pickle)
     problems = []
     with open_checkpoint(src) as reader:
         md = reader.metadata
@@ -471,6 +604,7 @@ def verify(src, *, progress: bool = False, allow_pickle: bool = False) -> list[s
 def inspect(src) -> str:
     """A table of the checkpoint's tensors (dtype, shape, placements, chunks, bytes) and
     values."""
+    _check_path(src, "src", "inspect")
     with open_checkpoint(src) as reader:
         md = reader.metadata
     lines = [f"{src}: {md.source}, saved by {md.world_size} rank(s)"]

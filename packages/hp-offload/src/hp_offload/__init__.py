@@ -3,7 +3,13 @@
 (``swap``, ``swap_wrapper``, ``SwapManager``), and both configured per layer (``OffloadPlan``).
 """
 
-from ._checkpoint import CheckpointPolicy, OffloadError, checkpoint, checkpoint_wrapper
+from ._checkpoint import (
+    CheckpointPolicy,
+    OffloadError,
+    OffloadTypeError,
+    checkpoint,
+    checkpoint_wrapper,
+)
 from ._plan import OffloadPlan, apply_offload_plan
 from ._swap import (
     SwapManager,
@@ -21,6 +27,7 @@ __all__ = [
     "CheckpointPolicy",
     "OffloadError",
     "OffloadPlan",
+    "OffloadTypeError",
     "SwapManager",
     "SwapPolicy",
     "SwapStats",

@@ -10,12 +10,23 @@ import torch
 import torch.nn as nn
 from torch.utils import checkpoint as tc
 
-__all__ = ["CheckpointPolicy", "OffloadError", "checkpoint", "checkpoint_wrapper"]
+__all__ = [
+    "CheckpointPolicy",
+    "OffloadError",
+    "OffloadTypeError",
+    "checkpoint",
+    "checkpoint_wrapper",
+]
 
 
 class OffloadError(ValueError):
     """Bad checkpoint/swap arguments: an unknown op, overlapping plan patterns, a budget too
     small for one layer."""
+
+
+class OffloadTypeError(OffloadError, TypeError):
+    """An hp_offload argument of the wrong type (a str for a tuple of op names, a policy that is
+    not a ``CheckpointPolicy``/``SwapPolicy``, a non-module to wrap); also a ``TypeError``."""
 
 
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
@@ -57,13 +68,27 @@ class CheckpointPolicy:
     every: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode not in ("full", "selective"):
+        from ._checks import check_int
+
+        if not isinstance(self.mode, str) or self.mode not in ("full", "selective"):
             raise OffloadError(f"mode must be 'full' or 'selective', got {self.mode!r}")
-        if not isinstance(self.save_every, int) or self.save_every < 1:
-            raise OffloadError(f"save_every must be a positive int, got {self.save_every!r}")
-        if not isinstance(self.every, int) or self.every < 1:
-            raise OffloadError(f"every must be a positive int, got {self.every!r}")
+        check_int(self.save_every, "save_every", "CheckpointPolicy", low=1)
+        check_int(self.every, "every", "CheckpointPolicy", low=1)
+        if isinstance(self.save, (str, bytes)) or not hasattr(self.save, "__iter__"):
+            raise OffloadTypeError(
+                f"CheckpointPolicy: save={self.save!r} is a {type(self.save).__name__}: give a "
+                f"tuple of op names, e.g. ({self.save!r},)"
+                if isinstance(self.save, str)
+                else f"CheckpointPolicy: save={self.save!r} is a {type(self.save).__name__}: "
+                "give a tuple of op names, e.g. ('aten.mm',)"
+            )
         object.__setattr__(self, "save", tuple(self.save))
+        for i, name in enumerate(self.save):
+            if not isinstance(name, str):
+                raise OffloadTypeError(
+                    f"CheckpointPolicy: save[{i}]={name!r} is a {type(name).__name__}: give an "
+                    "op name such as 'aten.mm'"
+                )
         for name in self.save:
             if not name.startswith("aten._scaled_dot_product"):  # backend-specific: may be absent
                 _resolve(name)
@@ -104,9 +129,17 @@ class CheckpointPolicy:
 def checkpoint(fn: Callable, *args, policy: CheckpointPolicy | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only what ``policy`` saves; the rest is recomputed
     in backward. Non-reentrant, so it composes with hooks, FSDP and pipeline stages."""
-    policy = policy or CheckpointPolicy()
-    if not isinstance(policy, CheckpointPolicy):
-        raise OffloadError(f"policy must be a CheckpointPolicy, got {type(policy).__name__}")
+    from ._checks import check_callable, check_type
+
+    check_callable(fn, "fn", "checkpoint")
+    check_type(policy, CheckpointPolicy, "policy", "checkpoint", hint="e.g. CheckpointPolicy()")
+    for key in ("use_reentrant", "context_fn"):
+        if key in kwargs:
+            raise OffloadTypeError(
+                f"checkpoint: {key}= is set by hp_offload (non-reentrant; the policy's "
+                "context_fn): drop it, and give the policy as policy=CheckpointPolicy(...)"
+            )
+    policy = CheckpointPolicy() if policy is None else policy
     ctx = policy.context_fn()
     extra = {"context_fn": ctx} if ctx is not None else {}
     return tc.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
@@ -151,9 +184,11 @@ def _add_prefix(state_dict, prefix, *args, inner: str = _PREFIX):
 
 def checkpoint_wrapper(module: nn.Module, *, policy: CheckpointPolicy | None = None) -> nn.Module:
     """Wrap ``module`` so its forward is checkpointed with ``policy`` (default: full)."""
-    if not isinstance(module, nn.Module):
-        raise OffloadError(f"module must be an nn.Module, got {type(module).__name__}")
-    policy = policy or CheckpointPolicy()
-    if not isinstance(policy, CheckpointPolicy):
-        raise OffloadError(f"policy must be a CheckpointPolicy, got {type(policy).__name__}")
+    from ._checks import check_module, check_type
+
+    check_module(module, "module", "checkpoint_wrapper")
+    check_type(
+        policy, CheckpointPolicy, "policy", "checkpoint_wrapper", hint="e.g. CheckpointPolicy()"
+    )
+    policy = CheckpointPolicy() if policy is None else policy
     return _CheckpointWrapper(module, policy)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ._checkpoint import CheckpointPolicy, OffloadError, checkpoint_wrapper
+from ._checkpoint import CheckpointPolicy, OffloadError, OffloadTypeError, checkpoint_wrapper
+from ._checks import check_module, check_type
 from ._swap import SwapManager, SwapPolicy, swap_wrapper
 
 __all__ = ["OffloadPlan", "apply_offload_plan"]
@@ -47,11 +48,25 @@ class OffloadPlan:
     rules: Mapping[str, object]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rules, Mapping) or not self.rules:
-            raise OffloadError("OffloadPlan needs a non-empty {pattern: action} mapping")
+        if not isinstance(self.rules, Mapping):
+            raise OffloadTypeError(
+                f"OffloadPlan: rules is a {type(self.rules).__name__}: give a non-empty "
+                "{pattern: action} mapping, e.g. {'layers.*': 'checkpoint'}"
+            )
+        if not self.rules:
+            raise OffloadError(
+                "OffloadPlan: rules is empty: give a non-empty {pattern: action} mapping, "
+                "e.g. {'layers.*': 'checkpoint'}"
+            )
         for pat, action in self.rules.items():
-            if not isinstance(pat, str) or not pat:
-                raise OffloadError(f"pattern {pat!r} must be a non-empty string")
+            if not isinstance(pat, str):
+                raise OffloadTypeError(
+                    f"OffloadPlan: pattern {pat!r} is a {type(pat).__name__}: give a module "
+                    "name pattern string such as 'layers.0-3' or 'layers.*'"
+                )
+            if not pat:
+                raise OffloadError(f"OffloadPlan: pattern {pat!r} must be a non-empty string")
+            _expand(pat)  # an empty range ("layers.3-1") is an error now, not at apply time
             if not (
                 action in ("checkpoint", "swap")
                 or isinstance(action, (CheckpointPolicy, SwapPolicy))
@@ -63,6 +78,7 @@ class OffloadPlan:
 
     def resolve(self, model: nn.Module) -> dict[str, object]:
         """Module name -> action, after checking that patterns neither overlap nor nest."""
+        check_module(model, "model", "OffloadPlan.resolve")
         names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
         chosen: dict[str, tuple[str, object]] = {}
         for pat, action in self.rules.items():
@@ -95,8 +111,13 @@ def apply_offload_plan(
     :class:`CheckpointPolicy` with ``every=k``, only every k-th matched module (in model order)
     is checkpointed.
     """
+    check_module(model, "model", "apply_offload_plan")
     if not isinstance(plan, OffloadPlan):
-        raise OffloadError(f"plan must be an OffloadPlan, got {type(plan).__name__}")
+        hint = " (wrap the mapping: OffloadPlan({...}))" if isinstance(plan, Mapping) else ""
+        raise OffloadTypeError(
+            f"apply_offload_plan: plan is a {type(plan).__name__}: pass an OffloadPlan{hint}"
+        )
+    check_type(manager, SwapManager, "manager", "apply_offload_plan")
     actions = plan.resolve(model)
     by_policy: dict[int, int] = {}
     done: dict[int, nn.Module] = {}

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ._checkpoint import OffloadError
+from ._checkpoint import OffloadError, OffloadTypeError
+from ._checks import check_bool, check_callable, check_int, check_module, check_type
 
 __all__ = ["SwapManager", "SwapPolicy", "SwapStats", "swap", "swap_tensor_wrapper", "swap_wrapper"]
 
@@ -27,8 +28,8 @@ class SwapPolicy:
     fuse_below: int = 1 << 16
 
     def __post_init__(self) -> None:
-        if self.min_bytes < 0 or self.fuse_below < 0:
-            raise OffloadError("min_bytes and fuse_below must be >= 0")
+        check_int(self.min_bytes, "min_bytes", "SwapPolicy")
+        check_int(self.fuse_below, "fuse_below", "SwapPolicy")
 
 
 @dataclass
@@ -126,12 +127,9 @@ class SwapManager:
         pin_memory: bool | None = None,
         max_inflight_bytes: int | None = 1 << 30,
     ):
-        if budget_bytes is not None and budget_bytes <= 0:
-            raise OffloadError(f"budget_bytes must be positive or None, got {budget_bytes}")
-        if max_inflight_bytes is not None and max_inflight_bytes <= 0:
-            raise OffloadError(
-                f"max_inflight_bytes must be positive or None, got {max_inflight_bytes}"
-            )
+        check_int(budget_bytes, "budget_bytes", "SwapManager", low=1, none_ok=True)
+        check_int(max_inflight_bytes, "max_inflight_bytes", "SwapManager", low=1, none_ok=True)
+        check_bool(pin_memory, "pin_memory", "SwapManager", none_ok=True)
         self.budget_bytes = budget_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -178,7 +176,9 @@ class SwapManager:
     @contextlib.contextmanager
     def region(self, policy: SwapPolicy | None = None, *, only_marked: bool = False) -> Iterator:
         """Swap the tensors saved for backward inside this block (one prefetch group)."""
-        policy = policy or SwapPolicy()
+        check_type(policy, SwapPolicy, "policy", "SwapManager.region", hint="e.g. SwapPolicy()")
+        check_bool(only_marked, "only_marked", "SwapManager.region")
+        policy = SwapPolicy() if policy is None else policy
         group = _Group(len(self._groups))
         self._groups.append(group)
 
@@ -392,6 +392,10 @@ class SwapManager:
 
     def mark(self, tensor: torch.Tensor) -> None:
         """Swap ``tensor`` whenever it is saved inside a region of this manager."""
+        if not isinstance(tensor, torch.Tensor):
+            raise OffloadTypeError(
+                f"SwapManager.mark: tensor is a {type(tensor).__name__}: pass a torch.Tensor"
+            )
         self._marked.add(tensor.untyped_storage().data_ptr())
 
     @property
@@ -419,6 +423,9 @@ def swap(
     **kwargs,
 ):
     """Run ``fn(*args, **kwargs)`` as one swap region."""
+    check_callable(fn, "fn", "swap")
+    check_type(manager, SwapManager, "manager", "swap", hint="e.g. SwapManager()")
+    check_type(policy, SwapPolicy, "policy", "swap", hint="e.g. SwapPolicy()")
     with (manager or default_manager()).region(policy):
         return fn(*args, **kwargs)
 
@@ -454,8 +461,9 @@ def swap_wrapper(
     module: nn.Module, *, manager: SwapManager | None = None, policy: SwapPolicy | None = None
 ) -> nn.Module:
     """Wrap ``module`` so each forward is one swap region of ``manager``."""
-    if not isinstance(module, nn.Module):
-        raise OffloadError(f"module must be an nn.Module, got {type(module).__name__}")
+    check_module(module, "module", "swap_wrapper")
+    check_type(manager, SwapManager, "manager", "swap_wrapper", hint="e.g. SwapManager()")
+    check_type(policy, SwapPolicy, "policy", "swap_wrapper", hint="e.g. SwapPolicy()")
     return _SwapWrapper(module, manager, policy)
 
 
@@ -463,6 +471,9 @@ def swap_tensor_wrapper(tensor: torch.Tensor, *, manager: SwapManager | None = N
     """Mark ``tensor`` for swapping when saved inside a region of ``manager`` (also one with
     ``only_marked=True``, which swaps nothing else); returns it."""
     if not isinstance(tensor, torch.Tensor):
-        raise OffloadError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        raise OffloadTypeError(
+            f"swap_tensor_wrapper: tensor is a {type(tensor).__name__}: pass a torch.Tensor"
+        )
+    check_type(manager, SwapManager, "manager", "swap_tensor_wrapper", hint="e.g. SwapManager()")
     (manager or default_manager()).mark(tensor)
     return tensor

@@ -13,10 +13,12 @@ from ._balance import (
     plan_from_profile,
     profile_layers,
 )
+from ._errors import PipelineTypeError
 from ._ir import (
     MetaStep,
     MetaStepType,
     ScheduleError,
+    ScheduleTypeError,
     format_grid,
     looped_placement,
     parse_schedule,
@@ -58,9 +60,11 @@ __all__ = [
     "PipelineError",
     "PipelineSchedule",
     "PipelineStage",
+    "PipelineTypeError",
     "Schedule1F1B",
     "ScheduleError",
     "ScheduleGPipe",
+    "ScheduleTypeError",
     "ScheduleInterleaved1F1B",
     "ScheduleZBV",
     "ShardedModule",

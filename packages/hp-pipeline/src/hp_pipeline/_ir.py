@@ -20,6 +20,7 @@ __all__ = [
     "Placement",
     "Schedule",
     "ScheduleError",
+    "ScheduleTypeError",
     "format_grid",
     "looped_placement",
     "parse_schedule",
@@ -29,6 +30,11 @@ __all__ = [
 
 class ScheduleError(ValueError):
     """A schedule or its arguments are invalid (bad sizes, a deadlock, an unmatched RECV)."""
+
+
+class ScheduleTypeError(ScheduleError, TypeError):
+    """A schedule argument of the wrong type (a non-str name, a bool or float for a count, a
+    str for a flag); also a ``TypeError``."""
 
 
 class MetaStepType(str, Enum):

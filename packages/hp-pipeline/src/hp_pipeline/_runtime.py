@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._errors import PipelineTypeError, check_bool, check_int
 from ._graphs import FULL, SPLIT
 from ._ir import MetaStep, MetaStepType, Placement, Schedule, ScheduleError
 from ._schedules import build_schedule
@@ -63,10 +64,46 @@ class BatchDimSpec:
     kwargs: dict[str, int | None] = field(default_factory=dict)
     target_dim: int = 0
 
+    def __post_init__(self) -> None:
+        fn = "BatchDimSpec"
+        dims = self.args if isinstance(self.args, tuple) else (self.args,)
+        if isinstance(self.args, list):
+            raise PipelineTypeError(
+                f"{fn}: args={self.args!r} is a list: give an int, or a tuple with one int "
+                f"(or None) per input, e.g. {tuple(self.args)!r}"
+            )
+        for i, d in enumerate(dims):
+            if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+                at = f"args[{i}]" if isinstance(self.args, tuple) else "args"
+                raise PipelineTypeError(
+                    f"{fn}: {at}={d!r} is a {type(d).__name__}: give a batch dim (int) or None"
+                )
+        if not isinstance(self.kwargs, dict):
+            raise PipelineTypeError(
+                f"{fn}: kwargs={self.kwargs!r} is a {type(self.kwargs).__name__}: give a dict "
+                "{name: batch dim or None}"
+            )
+        for k, d in self.kwargs.items():
+            if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+                raise PipelineTypeError(
+                    f"{fn}: kwargs[{k!r}]={d!r} is a {type(d).__name__}: give a batch dim (int) "
+                    "or None"
+                )
+        if isinstance(self.target_dim, bool) or not isinstance(self.target_dim, int):
+            raise PipelineTypeError(
+                f"{fn}: target_dim={self.target_dim!r} is a {type(self.target_dim).__name__}: "
+                "give an int"
+            )
+
 
 def _split_one(x, n: int, dim: int | None, what: str):
     if dim is None or not isinstance(x, torch.Tensor):
         return [x] * n
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        raise PipelineError(
+            f"{what} has shape {tuple(x.shape)}: batch dim {dim} is out of range; set "
+            "batch_spec=BatchDimSpec(...) to its batch dim (or None: not split)"
+        )
     size = x.shape[dim]
     if size % n:
         raise PipelineError(
@@ -80,6 +117,15 @@ def split_microbatches(
     args: tuple, kwargs: dict, n: int, spec: BatchDimSpec | None = None
 ) -> list[tuple[tuple, dict]]:
     """Split ``args``/``kwargs`` into ``n`` microbatches along the spec's batch dims."""
+    fn = "split_microbatches"
+    if not isinstance(args, (tuple, list)):
+        raise PipelineTypeError(
+            f"{fn}: args is a {type(args).__name__}: give a tuple of inputs, e.g. (x,)"
+        )
+    if not isinstance(kwargs, dict):
+        raise PipelineTypeError(f"{fn}: kwargs is a {type(kwargs).__name__}: give a dict")
+    check_int(n, "n", fn, low=1)
+    _check_spec(spec, fn)
     spec = spec or BatchDimSpec()
     dims = spec.args if isinstance(spec.args, tuple) else (spec.args,) * len(args)
     if len(dims) != len(args):
@@ -87,6 +133,14 @@ def split_microbatches(
     cols = [_split_one(a, n, d, f"input {i}") for i, (a, d) in enumerate(zip(args, dims))]
     kcols = {k: _split_one(v, n, spec.kwargs.get(k, 0), f"input {k!r}") for k, v in kwargs.items()}
     return [(tuple(c[i] for c in cols), {k: v[i] for k, v in kcols.items()}) for i in range(n)]
+
+
+def _check_spec(spec, fn: str) -> None:
+    if spec is not None and not isinstance(spec, BatchDimSpec):
+        raise PipelineTypeError(
+            f"{fn}: batch_spec={spec!r} is a {type(spec).__name__}: give a BatchDimSpec, e.g. "
+            "BatchDimSpec(args=0), or None"
+        )
 
 
 # -- channels ---------------------------------------------------------------------------------
@@ -197,11 +251,51 @@ class PipelineSchedule:
         batch_spec: BatchDimSpec | None = None,
         record_timeline: bool = False,
     ) -> None:
-        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-            raise PipelineError("stages must be a PipelineStage or a non-empty list of them")
-        if not isinstance(n_microbatches, int) or n_microbatches < 1:
-            raise PipelineError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+        fn = type(self).__name__
+        if isinstance(stages, PipelineStage):
+            stages = [stages]
+        elif isinstance(stages, (list, tuple)):
+            stages = list(stages)
+        else:
+            raise PipelineTypeError(
+                f"{fn}: stages is a {type(stages).__name__}: give a PipelineStage or a "
+                "non-empty list of them"
+            )
+        if not stages:
+            raise PipelineError(
+                f"{fn}: stages is empty: give a PipelineStage or a non-empty list of them"
+            )
+        for i, s in enumerate(stages):
+            if not isinstance(s, PipelineStage):
+                raise PipelineTypeError(
+                    f"{fn}: stages[{i}] is a {type(s).__name__}, not a PipelineStage: wrap the "
+                    "module, e.g. PipelineStage(module, stage_index, num_stages)"
+                )
+        idx = [s.stage_index for s in stages]
+        if len(set(idx)) != len(idx):
+            raise PipelineError(
+                f"{fn}: stages have stage_index {idx}: each stage index may appear once"
+            )
+        if any(s.group is not stages[0].group for s in stages):
+            raise PipelineError(
+                f"{fn}: the stages' groups differ (their group= are different objects): build "
+                "every stage of this rank with the same pipeline group"
+            )
+        check_int(n_microbatches, "n_microbatches", fn, low=1)
+        if loss_fn is not None and not callable(loss_fn):
+            raise PipelineTypeError(
+                f"{fn}: loss_fn={loss_fn!r} is a {type(loss_fn).__name__}, not callable: give "
+                "a function (output, target) -> loss, or None on ranks without the last stage"
+            )
+        for arg, v in (
+            ("scale_grads", scale_grads),
+            ("overlap_p2p", overlap_p2p),
+            ("overlap_b_f", overlap_b_f),
+            ("threaded_b_f", threaded_b_f),
+            ("record_timeline", record_timeline),
+        ):
+            check_bool(v, arg, fn)
+        _check_spec(batch_spec, fn)
         self.stages = {s.stage_index: s for s in stages}
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -281,6 +375,11 @@ class PipelineSchedule:
         other ranks call ``step()``. Returns the last stage's outputs concatenated over the
         microbatches on the rank that holds it, else None.
         """
+        if losses is not None and not isinstance(losses, list):
+            raise PipelineTypeError(
+                f"{type(self).__name__}.step: losses is a {type(losses).__name__}: give a list "
+                "(it receives each microbatch's loss), or None"
+            )
         m = self.n_microbatches
         first = self.stages.get(0)
         last = self.stages.get(len(self.placement) - 1)

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ._errors import check_bool, check_int
 from ._ir import (
     MetaStep,
     MetaStepType,
     Placement,
     Schedule,
     ScheduleError,
+    ScheduleTypeError,
     looped_placement,
     v_placement,
 )
 from ._sim import channel, check_schedule
+
+_SCHED_ERRS = {"err": ScheduleError, "terr": ScheduleTypeError}
 
 __all__ = [
     "SCHEDULES",
@@ -40,10 +44,11 @@ T = MetaStepType
 
 
 def _check(pp: int, m: int) -> None:
-    if not isinstance(pp, int) or pp < 1:
-        raise ScheduleError(f"pp (pipeline ranks) must be a positive int, got {pp!r}")
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"n_microbatches must be a positive int, got {m!r}")
+    for arg, v in (("pp (pipeline ranks)", pp), ("n_microbatches", m)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ScheduleTypeError(f"{arg}={v!r} is a {type(v).__name__}: give a positive int")
+        if v < 1:
+            raise ScheduleError(f"{arg} must be a positive int, got {v!r}")
 
 
 def gpipe_steps(pp: int, m: int) -> Schedule:
@@ -543,7 +548,21 @@ def build_schedule(
     the W right after it as one FULL_B where its input gradient stays on the rank, unless
     ``split_bw`` (:func:`merge_adjacent_b_w`).
     """
+    if not isinstance(name, str):
+        raise ScheduleTypeError(
+            f"build_schedule: name={name!r} is a {type(name).__name__}: give one of "
+            f"{sorted(SCHEDULES)}"
+        )
     key = name.lower()
+    if stages_per_rank is not None:
+        check_int(stages_per_rank, "stages_per_rank", "build_schedule", low=1, **_SCHED_ERRS)
+    for arg, v in (
+        ("overlap_p2p", overlap_p2p),
+        ("overlap_b_f", overlap_b_f),
+        ("shard_steps", shard_steps),
+        ("split_bw", split_bw),
+    ):
+        check_bool(v, arg, "build_schedule", terr=ScheduleTypeError)
     if key not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     _check(pp, n_microbatches)

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ._errors import PipelineError
+from ._errors import PipelineError, PipelineTypeError, check_bool, check_int
 from ._graphs import StageGraphs, check_graphable
 
 __all__ = ["PipelineError", "PipelineStage", "ShardedModule"]
@@ -94,22 +94,53 @@ class PipelineStage:
         direct_weight_grads: bool = True,
         cuda_graphs: bool = False,
     ) -> None:
+        fn = "PipelineStage"
         if not isinstance(module, nn.Module):
-            raise PipelineError(f"module must be an nn.Module, got {type(module).__name__}")
-        if not isinstance(num_stages, int) or num_stages < 1:
-            raise PipelineError(f"num_stages must be a positive int, got {num_stages!r}")
-        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
-            raise PipelineError(f"stage_index must be in [0, {num_stages}), got {stage_index!r}")
+            what = (
+                f"the class {module.__name__}, not an instance"
+                if isinstance(module, type)
+                else f"a {type(module).__name__}"
+            )
+            raise PipelineTypeError(f"{fn}: module is {what}: pass an nn.Module instance")
+        check_int(num_stages, "num_stages", fn, low=1)
+        check_int(stage_index, "stage_index", fn)
+        if stage_index >= num_stages:
+            raise PipelineError(
+                f"{fn}: stage_index must be in [0, {num_stages}) for num_stages={num_stages}, "
+                f"got {stage_index!r}"
+            )
+        check_bool(direct_weight_grads, "direct_weight_grads", fn)
+        check_bool(cuda_graphs, "cuda_graphs", fn)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise PipelineTypeError(
+                f"{fn}: group={group!r} is a {type(group).__name__}, not a ProcessGroup: pass "
+                "the pipeline group (e.g. mesh.get_group('pp')) or None for the whole world"
+            )
+        if device is not None and not isinstance(device, (torch.device, str, int)):
+            raise PipelineTypeError(
+                f"{fn}: device={device!r} is a {type(device).__name__}: give a torch.device, "
+                "a str such as 'cuda:0', or None"
+            )
+        try:
+            dev = torch.device(device) if device is not None else _default_device()
+        except (RuntimeError, TypeError) as e:
+            raise PipelineError(
+                f"{fn}: device={device!r} is not a device: give e.g. 'cpu' or 'cuda:0' ({e})"
+            ) from None
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = dev
         self.group = group
         self.input_meta: list[tuple[torch.Size, torch.dtype]] | None = None
         if input_args is not None:
             self.input_meta = [_meta_of(a) for a in _as_tuple(input_args)]
         if activation_hooks is not None and not callable(activation_hooks):
-            raise PipelineError("activation_hooks must be a callable: microbatch -> context")
+            raise PipelineTypeError(
+                f"{fn}: activation_hooks={activation_hooks!r} is a "
+                f"{type(activation_hooks).__name__}: activation_hooks must be a callable: "
+                "microbatch -> context"
+            )
         self.activation_hooks = activation_hooks
         self._chunks: dict[int, _Chunk] = {}
         self.sharded = isinstance(module, ShardedModule)
@@ -146,6 +177,17 @@ class PipelineStage:
         On a stage other than the first, floating-point ``args`` become leaves that want a
         gradient (detached from whatever produced them), so this stage's backward stops here.
         """
+        check_int(mb, "mb", "PipelineStage.forward_one_chunk")
+        if not isinstance(args, (tuple, list)):
+            raise PipelineTypeError(
+                f"PipelineStage.forward_one_chunk: args is a {type(args).__name__}: give a tuple "
+                "of inputs, e.g. (x,)"
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise PipelineTypeError(
+                f"PipelineStage.forward_one_chunk: kwargs is a {type(kwargs).__name__}: give a "
+                "dict (or None)"
+            )
         if mb in self._chunks:
             raise PipelineError(f"stage {self.stage_index}: microbatch {mb} ran forward twice")
         if self.graphs is not None:
@@ -173,13 +215,28 @@ class PipelineStage:
         self._chunks[mb] = _Chunk(inputs=ins, outputs=outs)
         return tuple(outs)
 
+    def _chunk(self, mb: int, fn: str) -> _Chunk:
+        c = self._chunks.get(mb) if isinstance(mb, int) else None
+        if c is None:
+            raise PipelineError(
+                f"PipelineStage.{fn}: mb={mb!r} has no forward on stage {self.stage_index} "
+                f"(microbatches with state here: {sorted(self._chunks)}): run "
+                "forward_one_chunk(mb, ...) first"
+            )
+        return c
+
     def set_loss(self, mb: int, loss: torch.Tensor) -> None:
         """The last stage's (scaled) loss for ``mb``: its backward starts there."""
-        self._chunks[mb].loss = loss
+        c = self._chunk(mb, "set_loss")
+        if not isinstance(loss, torch.Tensor):
+            raise PipelineTypeError(
+                f"PipelineStage.set_loss: loss is a {type(loss).__name__}: give the loss tensor"
+            )
+        c.loss = loss
 
     def outputs(self, mb: int) -> tuple[torch.Tensor, ...]:
         """The forward outputs of ``mb`` (to send on)."""
-        return tuple(self._chunks[mb].outputs)
+        return tuple(self._chunk(mb, "outputs").outputs)
 
     # -- backward -----------------------------------------------------------------------------
     def _roots(self, mb: int, grads: tuple | None):
@@ -195,7 +252,7 @@ class PipelineStage:
     def backward_full(self, mb: int, grads: tuple | None = None) -> list[torch.Tensor | None]:
         """FULL_B: input and weight gradients of ``mb`` in one backward. Returns the input
         gradients (to send to the previous stage) and drops ``mb``'s state."""
-        slot = self._chunks[mb].slot
+        slot = self._chunk(mb, "backward_full").slot
         if slot is None:
             return self._backward_full(mb, grads)
         c = self._chunks.pop(mb)
@@ -226,7 +283,7 @@ class PipelineStage:
         the gradient entering its parameter branch, in the same backward call: little work
         (norm scales and the like), and one autograd call fewer per node in W.
         """
-        c = self._chunks[mb]
+        c = self._chunk(mb, "backward_input")
         if c.slot is not None:
             if c.slot.w is None:
                 raise PipelineError(
