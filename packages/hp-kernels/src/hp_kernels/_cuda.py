@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import _dtypes
 from ._ext import load
 from .comm import _chunks
+from .errors import KernelsValueError
 
 _BARRIER_MS = 60_000
 _META = 4096  # bytes at the start of each buffer for split sizes
@@ -152,7 +153,9 @@ class CudaSymmetricMemory:
             numel *= x
         size = numel * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or offset + size > self.nbytes:
-            raise ValueError(f"a view of {size} bytes at offset {offset} does not fit the buffer")
+            raise KernelsValueError(
+                f"a view of {size} bytes at offset {offset} does not fit the buffer"
+            )
         return self._raw[rank][offset : offset + size].view(dtype).view(shape)
 
     def put(self, tensor: torch.Tensor, peer: int, offset: int = 0) -> None:
@@ -293,7 +296,9 @@ def _fan_out(ws: _GpuWorkspace, pairs: list[tuple[torch.Tensor, torch.Tensor]]) 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError("CUDA collectives take contiguous tensors (call .contiguous() first)")
+        raise KernelsValueError(
+            "CUDA collectives take contiguous tensors (call .contiguous() first)"
+        )
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -343,7 +348,7 @@ def all_gather_into_tensor(output, input, *, group=None):
     ws = _ws(group, input.device)
     n = input.numel() * input.element_size()
     if output.numel() != ws.world * input.numel() or output.dtype != input.dtype:
-        raise ValueError(
+        raise KernelsValueError(
             f"all_gather_into_tensor: output needs world_size x input = "
             f"{ws.world * input.numel()} elements of {input.dtype}"
         )
@@ -381,11 +386,15 @@ def all_to_all_single(
     ws = _ws(group, input.device)
     world, me = ws.world, ws.rank
     if input.dim() == 0 or input.shape[1:] != output.shape[1:] or input.dtype != output.dtype:
-        raise ValueError("all_to_all_single: input and output need the same dtype and row shape")
+        raise KernelsValueError(
+            "all_to_all_single: input and output need the same dtype and row shape"
+        )
     row = math.prod(input.shape[1:]) * input.element_size()
     if input_split_sizes is None:
         if input.shape[0] % world:
-            raise ValueError("all_to_all_single: dim 0 must divide by world_size without splits")
+            raise KernelsValueError(
+                "all_to_all_single: dim 0 must divide by world_size without splits"
+            )
         s_in = [input.shape[0] // world] * world
     else:
         s_in = [int(s) for s in input_split_sizes]
@@ -399,7 +408,7 @@ def all_to_all_single(
         or sum(s_in) != input.shape[0]
         or (sum(s_out) != output.shape[0])
     ):
-        raise ValueError(
+        raise KernelsValueError(
             "all_to_all_single: split sizes must have world_size entries summing to dim 0"
         )
     nbytes = input.numel() * input.element_size()
@@ -486,7 +495,7 @@ def _all_to_all_push(ws, output, input, out_sym, s_in, row, uneven):
 
 def _wire(op, dtype, wire_dtype):
     if op not in _dtypes.REDUCE_OPS:
-        raise ValueError(f"op={op!r}; choose one of {sorted(_dtypes.REDUCE_OPS)}")
+        raise KernelsValueError(f"op={op!r}; choose one of {sorted(_dtypes.REDUCE_OPS)}")
     return dtype if wire_dtype is None else wire_dtype
 
 
@@ -506,7 +515,7 @@ def reduce_scatter_tensor(output, input, op="sum", *, group=None, wire_dtype=Non
     wire = _wire(op, input.dtype, wire_dtype)
     n_out = output.numel()
     if input.numel() != ws.world * n_out:
-        raise ValueError("reduce_scatter_tensor: input needs world_size x output elements")
+        raise KernelsValueError("reduce_scatter_tensor: input needs world_size x output elements")
     wes = torch.empty((), dtype=wire).element_size()
     ws.ensure(input.numel() * wes)
     flat = input.reshape(-1)
@@ -570,7 +579,9 @@ def all_gather_matmul(x_shard, weights, *, group=None, gather_dim=0, return_gath
     weights = list(weights)
     dim = gather_dim % x_shard.dim()
     if dim == x_shard.dim() - 1:
-        raise ValueError("all_gather_matmul: gather_dim must not be the last (contraction) dim")
+        raise KernelsValueError(
+            "all_gather_matmul: gather_dim must not be the last (contraction) dim"
+        )
     if dim != 0:
         res = all_gather_matmul(
             x_shard.movedim(dim, 0).contiguous(),
@@ -628,7 +639,9 @@ def matmul_reduce_scatter(x, weight, *, group=None, scatter_dim=0, reduce_op="su
     side stream pulls the partials meant for this rank while the own chunk's product runs;
     then one float32-accumulating sum."""
     if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"matmul_reduce_scatter: reduce_op={reduce_op!r}; choose 'sum' or 'avg'")
+        raise KernelsValueError(
+            f"matmul_reduce_scatter: reduce_op={reduce_op!r}; choose 'sum' or 'avg'"
+        )
     out_dims = x.dim()
     dim = scatter_dim % out_dims
     if dim == out_dims - 1:  # split the weight's columns: the same as scattering rows of x @ w^T
@@ -648,7 +661,9 @@ def matmul_reduce_scatter(x, weight, *, group=None, scatter_dim=0, reduce_op="su
     ws = _ws(group, x.device)
     world, me = ws.world, ws.rank
     if x.shape[0] % world:
-        raise ValueError(f"matmul_reduce_scatter: dim 0 ({x.shape[0]}) must divide by {world}")
+        raise KernelsValueError(
+            f"matmul_reduce_scatter: dim 0 ({x.shape[0]}) must divide by {world}"
+        )
     rows = x.shape[0] // world
     chunk_shape = (rows, *x.shape[1:-1], weight.shape[1])
     numel = 1

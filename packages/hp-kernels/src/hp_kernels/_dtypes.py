@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import KernelsTypeError, KernelsValueError
+
 CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.bfloat16: 1,
@@ -22,7 +24,7 @@ def code(dtype: torch.dtype, what: str) -> int:
         return CODES[dtype]
     except KeyError:
         names = ", ".join(str(d).removeprefix("torch.") for d in CODES)
-        raise TypeError(f"{what} has dtype {dtype}; hp_kernels supports {names}") from None
+        raise KernelsTypeError(f"{what} has dtype {dtype}; hp_kernels supports {names}") from None
 
 
 def from_code(value: int) -> torch.dtype:
@@ -30,4 +32,4 @@ def from_code(value: int) -> torch.dtype:
     for dtype, c in CODES.items():
         if c == value:
             return dtype
-    raise ValueError(f"unknown dtype code {value}")
+    raise KernelsValueError(f"unknown dtype code {value}")

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import atexit
 import math
+import operator
 import os
 
 import torch
 import torch.distributed as dist
 
 from . import _dtypes
+from ._checks import check_group, is_tensor_on
 from ._ext import load
+from .errors import KernelsTypeError, KernelsValueError
 from .symm_mem import SymmetricMemory, _require_contiguous, by_uid, empty, find
 
 __all__ = [
@@ -117,7 +120,8 @@ class _Workspace:
 _workspaces: dict[int, tuple[dist.ProcessGroup, _Workspace]] = {}
 
 
-def _workspace(group: dist.ProcessGroup | None) -> _Workspace:
+def _workspace(group: dist.ProcessGroup | None, name: str = "hp_kernels.comm") -> _Workspace:
+    check_group(name, group)
     if not dist.is_initialized():
         raise RuntimeError("hp_kernels.comm needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
@@ -215,7 +219,7 @@ class _Call:
             if bad:  # no data moved; every rank leaves the call together
                 if self.error is not None:
                     raise self.error
-                raise ValueError(
+                raise KernelsValueError(
                     f"{self.name}: rank(s) {bad} passed invalid arguments (their own error says "
                     f"which); rank {self.rank} gives up the call too, and no data moved"
                 )
@@ -268,7 +272,7 @@ class _Call:
                 first[_D_WIRE],
                 first[_D_ROP],
             ):
-                raise TypeError(
+                raise KernelsTypeError(
                     f"{self.name}: ranks disagree on dtype/op: rank 0 has dtype "
                     f"{_dtypes.from_code(first[_D_DTYPE])}, wire {_wire_name(first[_D_WIRE])}, "
                     f"op {first[_D_ROP]}; rank {r} has dtype {_dtypes.from_code(d[_D_DTYPE])}, "
@@ -333,19 +337,24 @@ def _wire_name(code: int) -> str:
     return "none" if code < 0 else str(_dtypes.from_code(code))
 
 
-def _sizes_error(name: str, descs: list[list[int]], index: int, what: str) -> ValueError:
+def _sizes_error(name: str, descs: list[list[int]], index: int, what: str) -> KernelsValueError:
     values = ", ".join(f"rank {r}: {d[index]}" for r, d in enumerate(descs))
-    return ValueError(f"{name}: ranks disagree on {what} ({values})")
+    return KernelsValueError(f"{name}: ranks disagree on {what} ({values})")
 
 
-def _is_cuda(*tensors: torch.Tensor) -> bool:
-    return any(t.device.type == "cuda" for t in tensors)
+def _is_cuda(*tensors: object) -> bool:
+    return is_tensor_on("cuda", *tensors)
 
 
-def _tensors(name: str, **tensors: object) -> None:
+def _tensors(name: str, **tensors: object) -> KernelsTypeError | None:
+    """The error for an argument that is not a tensor (None when all are). The caller still
+    joins the call with empty stand-ins, so that every rank raises, not only this one."""
     for what, t in tensors.items():
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+            return KernelsTypeError(
+                f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}"
+            )
+    return None
 
 
 def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -353,7 +362,7 @@ def _check_pair(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
     _require_contiguous(input, "input")
     _require_contiguous(output, "output")
     if output.dtype != input.dtype:
-        raise TypeError(
+        raise KernelsTypeError(
             f"{name}: output has dtype {output.dtype} but input has {input.dtype}; they must match"
         )
 
@@ -372,15 +381,18 @@ def all_gather_into_tensor(
         from . import _cuda
 
         return _cuda.all_gather_into_tensor(output, input, group=group)
-    _tensors("all_gather_into_tensor", output=output, input=input)
+    error = _tensors("all_gather_into_tensor", output=output, input=input)
+    if error is not None:
+        output = input = torch.empty(0)
     es = input.element_size()
     n = input.numel()
-    ws = _workspace(group)  # with single-copy reads the slot holds no data
-    error = None
+    ws = _workspace(group, "all_gather_into_tensor")  # with single-copy reads: no data in slot
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
         _check_pair("all_gather_into_tensor", output, input)
         if output.numel() != ws.world * n:
-            raise ValueError(
+            raise KernelsValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements; it needs "
                 f"world_size ({ws.world}) x input ({n}) = {ws.world * n}"
             )
@@ -421,16 +433,31 @@ def all_gather_into_tensor(
 def _splits(arg: list[int] | None, rows: int, world: int, what: str) -> list[int]:
     if arg is None:
         if rows % world:
-            raise ValueError(
+            raise KernelsValueError(
                 f"all_to_all_single: {what} is None, so dim 0 ({rows}) must divide by world_size "
                 f"({world}); pass {what} for uneven splits"
             )
         return [rows // world] * world
-    splits = [int(s) for s in arg]
+    if isinstance(arg, (str, bytes, torch.Tensor)) or not hasattr(arg, "__iter__"):
+        raise KernelsTypeError(
+            f"all_to_all_single: {what}={arg!r} is a {type(arg).__name__}: give a list of ints"
+        )
+    splits = []
+    for s in arg:
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            splits.append(operator.index(s))
+        except TypeError:
+            raise KernelsTypeError(
+                f"all_to_all_single: {what}={list(arg)!r} holds {s!r}; give a list of ints"
+            ) from None
     if len(splits) != world or any(s < 0 for s in splits):
-        raise ValueError(f"all_to_all_single: {what}={list(arg)} needs {world} non-negative sizes")
+        raise KernelsValueError(
+            f"all_to_all_single: {what}={list(arg)} needs {world} non-negative sizes"
+        )
     if sum(splits) != rows:
-        raise ValueError(
+        raise KernelsValueError(
             f"all_to_all_single: {what}={splits} sums to {sum(splits)}, not dim 0 ({rows})"
         )
     return splits
@@ -452,18 +479,23 @@ def all_to_all_single(
         return _cuda.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group
         )
-    _tensors("all_to_all_single", output=output, input=input)
-    ws = _workspace(group)
+    error = _tensors("all_to_all_single", output=output, input=input)
+    if error is not None:
+        output = input = torch.empty(0)
+    ws = _workspace(group, "all_to_all_single")
     world = ws.world
-    error = None
     row, s_in, s_out = 0, [0] * world, [0] * world
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
         _check_pair("all_to_all_single", output, input)
         if input.dim() == 0 or output.dim() == 0:
-            raise ValueError("all_to_all_single: input and output need at least one dimension")
+            raise KernelsValueError(
+                "all_to_all_single: input and output need at least one dimension"
+            )
         row = math.prod(input.shape[1:])
         if math.prod(output.shape[1:]) != row:
-            raise ValueError(
+            raise KernelsValueError(
                 f"all_to_all_single: input rows hold {row} elements but output rows hold "
                 f"{math.prod(output.shape[1:])}; shapes after dim 0 must match"
             )
@@ -506,7 +538,7 @@ def all_to_all_single(
                 )
     if problems:
         call.finish()
-        raise ValueError(
+        raise KernelsValueError(
             "all_to_all_single: split sizes do not agree between ranks: " + "; ".join(problems)
         )
     row_bytes = row * es
@@ -531,15 +563,26 @@ def all_to_all_single(
 def _reduce_args(
     name: str, op: str, dtype: torch.dtype, wire_dtype: torch.dtype | None
 ) -> tuple[int, torch.dtype]:
+    if not isinstance(op, str):
+        raise KernelsTypeError(
+            f"{name}: op={op!r} is a {type(op).__name__}; choose one of "
+            f"{sorted(_dtypes.REDUCE_OPS)}"
+        )
+    if wire_dtype is not None and not isinstance(wire_dtype, torch.dtype):
+        raise KernelsTypeError(
+            f"{name}: wire_dtype={wire_dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or None"
+        )
     if op not in _dtypes.REDUCE_OPS:
-        raise ValueError(f"{name}: op={op!r}; choose one of {sorted(_dtypes.REDUCE_OPS)}")
+        raise KernelsValueError(f"{name}: op={op!r}; choose one of {sorted(_dtypes.REDUCE_OPS)}")
     _dtypes.code(dtype, "the tensor")
     if op == "avg" and dtype not in _dtypes.FLOATING:
-        raise TypeError(f"{name}: op='avg' needs a floating dtype, got {dtype}")
+        raise KernelsTypeError(f"{name}: op='avg' needs a floating dtype, got {dtype}")
     wire = dtype if wire_dtype is None else wire_dtype
     if wire_dtype is not None:
         if dtype not in _dtypes.FLOATING or wire_dtype not in _dtypes.FLOATING:
-            raise TypeError(f"{name}: wire_dtype={wire_dtype} applies to floating tensors only")
+            raise KernelsTypeError(
+                f"{name}: wire_dtype={wire_dtype} applies to floating tensors only"
+            )
     return _dtypes.REDUCE_OPS[op], wire
 
 
@@ -561,15 +604,19 @@ def reduce_scatter_tensor(
         from . import _cuda
 
         return _cuda.reduce_scatter_tensor(output, input, op, group=group, wire_dtype=wire_dtype)
-    _tensors("reduce_scatter_tensor", output=output, input=input)
-    ws = _workspace(group)
+    error = _tensors("reduce_scatter_tensor", output=output, input=input)
+    if error is not None:
+        output = input = torch.empty(0)
+    ws = _workspace(group, "reduce_scatter_tensor")
     n_out = output.numel()
-    error, rop, wire = None, 0, input.dtype
+    rop, wire = 0, input.dtype
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
         _check_pair("reduce_scatter_tensor", output, input)
         rop, wire = _reduce_args("reduce_scatter_tensor", op, input.dtype, wire_dtype)
         if input.numel() != ws.world * n_out:
-            raise ValueError(
+            raise KernelsValueError(
                 f"reduce_scatter_tensor: input has {input.numel()} elements; it needs "
                 f"world_size ({ws.world}) x output ({n_out}) = {ws.world * n_out}"
             )
@@ -642,9 +689,14 @@ def all_reduce(
         from . import _cuda
 
         return _cuda.all_reduce(tensor, op, group=group, wire_dtype=wire_dtype)
-    _tensors("all_reduce", tensor=tensor)
-    error, rop, wire = None, 0, tensor.dtype
+    error = _tensors("all_reduce", tensor=tensor)
+    if error is not None:
+        tensor = torch.empty(0)
+    _workspace(group, "all_reduce")  # checks the group before anything else
+    rop, wire = 0, tensor.dtype
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
         _require_contiguous(tensor, "tensor")
         rop, wire = _reduce_args("all_reduce", op, tensor.dtype, wire_dtype)
     except (TypeError, ValueError) as exc:

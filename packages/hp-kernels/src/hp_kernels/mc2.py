@@ -17,23 +17,42 @@ import torch
 import torch.distributed as dist
 
 from . import _dtypes
-from .comm import _D_NIN, _D_ROW, _Call, _threads
+from ._checks import check_bool, check_dim, check_group, is_tensor_on
+from .comm import _D_NIN, _D_ROW, _Call, _tensors, _threads
+from .errors import KernelsTypeError, KernelsValueError
 from .symm_mem import _require_contiguous
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 
+def _weight_list(name: str, weights: object) -> list[torch.Tensor]:
+    """``weights`` as a list; a lone tensor would be iterated row by row."""
+    if isinstance(weights, torch.Tensor):
+        raise KernelsTypeError(
+            f"{name}: weights is a Tensor; give a list of (K, N) tensors (wrap one weight in a "
+            "list: [w])"
+        )
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__iter__"):
+        raise KernelsTypeError(
+            f"{name}: weights={weights!r} is a {type(weights).__name__}; give a list of (K, N) "
+            "tensors"
+        )
+    return list(weights)
+
+
 def _check_weights(name: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    if x.dim() == 0:
+        raise KernelsValueError(f"{name}: the input is 0-dim; it needs shape (..., K)")
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
-            raise ValueError(f"{name}: weights[{i}] must be a 2-D tensor (K, N)")
+            raise KernelsValueError(f"{name}: weights[{i}] must be a 2-D tensor (K, N)")
         if w.shape[0] != x.shape[-1]:
-            raise ValueError(
+            raise KernelsValueError(
                 f"{name}: weights[{i}] has shape {tuple(w.shape)}; its first dim must equal the "
                 f"input's last dim ({x.shape[-1]})"
             )
         if w.dtype != x.dtype or w.device != x.device:
-            raise TypeError(
+            raise KernelsTypeError(
                 f"{name}: weights[{i}] is {w.dtype} on {w.device}; the input is "
                 f"{x.dtype} on {x.device}"
             )
@@ -56,25 +75,39 @@ def all_gather_matmul(
         gather_dim: the dim of ``x_shard`` the shards are stacked along (not the last one).
         return_gathered: also return the gathered input (first element of a pair).
     """
-    if x_shard.device.type == "cuda":
+    if is_tensor_on("cuda", x_shard):
         from . import _cuda
 
         return _cuda.all_gather_matmul(
             x_shard, weights, group=group, gather_dim=gather_dim, return_gathered=return_gathered
         )
-    weights = list(weights)
-    dim = gather_dim % x_shard.dim() if x_shard.dim() else 0
-    error = None
+    name = "all_gather_matmul"
+    check_group(name, group)
+    error = _tensors(name, x_shard=x_shard)
+    if error is not None:  # joins the call with a stand-in, so that every rank raises
+        x_shard = torch.empty(0, 0)
+    dim = 0
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
+        check_bool(name, return_gathered, "return_gathered")
         _require_contiguous(x_shard, "x_shard")
-        _check_weights("all_gather_matmul", x_shard, weights)
-        if x_shard.dim() < 2 or dim == x_shard.dim() - 1:
-            raise ValueError(
+        if x_shard.dim() < 2:
+            raise KernelsValueError(
+                f"all_gather_matmul: x_shard has shape {tuple(x_shard.shape)}; it needs at least "
+                "2 dims (..., K)"
+            )
+        dim = check_dim(name, gather_dim, "gather_dim", x_shard.dim(), "x_shard")
+        if dim == x_shard.dim() - 1:
+            raise KernelsValueError(
                 f"all_gather_matmul: gather_dim={gather_dim} must name a dim of x_shard other "
                 f"than the last (the contraction dim); x_shard has shape {tuple(x_shard.shape)}"
             )
+        weights = _weight_list(name, weights)
+        _check_weights(name, x_shard, weights)
     except (TypeError, ValueError) as exc:
         error = exc
+        dim, weights = 0, []
     nbytes = x_shard.numel() * x_shard.element_size()
     call = _Call(
         "mc2_ag",
@@ -88,7 +121,7 @@ def all_gather_matmul(
     )
     world, me = call.world, call.rank
     c = call.c
-    m = x_shard.shape[dim]
+    m = x_shard.shape[dim] if x_shard.dim() else 0
     outs = []
     for w in weights if error is None else ():
         shape = list(x_shard.shape[:-1]) + [w.shape[1]]
@@ -112,7 +145,7 @@ def all_gather_matmul(
     descs = call.start(write, between=local_products)
     if any(d[_D_NIN] != x_shard.numel() or d[_D_ROW] != m for d in descs):
         call.finish()
-        raise ValueError(
+        raise KernelsValueError(
             "all_gather_matmul: ranks disagree on x_shard's size ("
             + ", ".join(f"rank {r}: {d[_D_NIN]} elements" for r, d in enumerate(descs))
             + "); every shard must have the same shape"
@@ -163,30 +196,43 @@ def matmul_reduce_scatter(
             group size.
         reduce_op: ``"sum"`` or ``"avg"``.
     """
-    if x.device.type == "cuda":
+    if is_tensor_on("cuda", x):
         from . import _cuda
 
         return _cuda.matmul_reduce_scatter(
             x, weight, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op
         )
+    name = "matmul_reduce_scatter"
+    check_group(name, group)
     world = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    error = _tensors(name, x=x, weight=weight)
+    if error is not None:  # joins the call with stand-ins, so that every rank raises
+        x, weight = torch.empty(0, 0), torch.empty(0, 0)
     out_shape = list(x.shape[:-1]) + [weight.shape[1] if weight.dim() == 2 else 0]
-    dim = scatter_dim % len(out_shape)
-    error = None
+    dim = 0
     try:  # a bad argument on one rank must stop every rank, not leave them waiting
+        if error is not None:
+            raise error
+        dim = check_dim(name, scatter_dim, "scatter_dim", len(out_shape), "the product")
+        if not isinstance(reduce_op, str):
+            raise KernelsTypeError(
+                f"matmul_reduce_scatter: reduce_op={reduce_op!r} is a "
+                f"{type(reduce_op).__name__}; choose 'sum' or 'avg'"
+            )
         _require_contiguous(x, "x")
         _check_weights("matmul_reduce_scatter", x, [weight])
         if reduce_op not in ("sum", "avg"):
-            raise ValueError(
+            raise KernelsValueError(
                 f"matmul_reduce_scatter: reduce_op={reduce_op!r}; choose 'sum' or 'avg'"
             )
         if out_shape[dim] % world:
-            raise ValueError(
+            raise KernelsValueError(
                 f"matmul_reduce_scatter: the product's dim {scatter_dim} has size "
                 f"{out_shape[dim]}, which does not divide by the group size {world}"
             )
     except (TypeError, ValueError) as exc:
         error = exc
+        dim = 0
     chunk = out_shape[dim] // world
     chunk_shape = list(out_shape)
     chunk_shape[dim] = chunk
@@ -201,14 +247,14 @@ def matmul_reduce_scatter(
         n_out=chunk_numel,
         need=world * chunk_numel * es,
         row=out_shape[dim],
-        rop=_dtypes.REDUCE_OPS.get(reduce_op, 0),
+        rop=_dtypes.REDUCE_OPS.get(reduce_op, 0) if error is None else 0,
         error=error,
     )
     me = call.rank
     descs = call.start(lambda mem: None)
     if any(d[_D_ROW] != out_shape[dim] or d[3] != chunk_numel for d in descs):
         call.finish()
-        raise ValueError(
+        raise KernelsValueError(
             "matmul_reduce_scatter: ranks disagree on the product's shape ("
             + ", ".join(
                 f"rank {r}: dim size {d[_D_ROW]}, chunk {d[3]}" for r, d in enumerate(descs)

@@ -21,7 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+from ._checks import check_bool, check_int
 from ._ext import is_built, load
+from .errors import KernelsTypeError, KernelsValueError
 
 __all__ = [
     "Permutation",
@@ -54,9 +56,26 @@ class Permutation(NamedTuple):
     inverse: torch.Tensor | None = None
 
 
+def _tensor(fn: str, value: object, arg: str, *, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise KernelsTypeError(
+            f"{fn}: {arg} must be a torch.Tensor{' or None' if none_ok else ''}, got "
+            f"{type(value).__name__}"
+        )
+
+
 def count_experts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``(num_experts,)`` int64 occurrences of each id in ``expert_ids`` (flattened), without the
     device-to-host sync ``torch.bincount`` makes on CUDA to size its output."""
+    _tensor("count_experts", expert_ids, "expert_ids")
+    if expert_ids.dtype == torch.bool or expert_ids.is_floating_point() or expert_ids.is_complex():
+        raise KernelsTypeError(
+            f"count_experts: expert_ids must hold integer ids, got {expert_ids.dtype} (a float "
+            "id would be truncated)"
+        )
+    check_int("count_experts", num_experts, "num_experts", low=1)
     flat = expert_ids.reshape(-1).to(torch.int64)
     out = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     return out.scatter_add_(0, flat, torch.ones_like(flat))
@@ -64,7 +83,7 @@ def count_experts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def _check_range(flat: torch.Tensor, buckets: int) -> None:
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= buckets):
-        raise ValueError(f"expert ids must lie in [0, num_experts={buckets})")
+        raise KernelsValueError(f"expert ids must lie in [0, num_experts={buckets})")
 
 
 def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +100,7 @@ def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, tor
         flat.data_ptr(), flat.numel(), buckets, order.data_ptr(), counts.data_ptr()
     )
     if bad >= 0:
-        raise ValueError(
+        raise KernelsValueError(
             f"expert ids must lie in [0, num_experts={buckets}); flat position {bad} holds "
             f"{int(flat[bad])}"
         )
@@ -110,10 +129,14 @@ def expert_order(
         order (int64, ``expert_ids.numel()`` entries); ``counts`` (``(E,)`` int64) the kept
         entries per expert.
     """
+    _tensor("expert_order", expert_ids, "expert_ids")
     if expert_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"expert ids must be int64 or int32, got {expert_ids.dtype}")
+        raise KernelsTypeError(f"expert ids must be int64 or int32, got {expert_ids.dtype}")
+    check_int("expert_order", num_experts, "num_experts")
     if num_experts <= 0:
-        raise ValueError(f"num_experts={num_experts} must be positive")
+        raise KernelsValueError(f"num_experts={num_experts} must be positive")
+    _tensor("expert_order", keep, "keep", none_ok=True)
+    check_bool("expert_order", check, "check")
     flat = expert_ids.reshape(-1).to(torch.int64)
     on_cpu = flat.device.type == "cpu"
     if check and not on_cpu:
@@ -121,7 +144,7 @@ def expert_order(
     buckets = num_experts
     if keep is not None:
         if keep.shape != expert_ids.shape or keep.dtype != torch.bool:
-            raise ValueError(
+            raise KernelsValueError(
                 f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, "
                 f"got {keep.dtype} {tuple(keep.shape)}"
             )
@@ -178,6 +201,10 @@ def gather_rows(
     r``). With ``k = 1`` it applies a permutation of the rows. ``keep`` (one flag per output
     row's source copy, in copy order): the gradients of rows whose copy is not kept are dropped
     (those rows went to no expert, and their gradient is unspecified)."""
+    for arg, value in (("src", src), ("order", order), ("inverse", inverse)):
+        _tensor("gather_rows", value, arg)
+    _tensor("gather_rows", keep, "keep", none_ok=True)
+    check_int("gather_rows", k, "k", low=1)
     return _GatherRows.apply(src, order, inverse, k, keep)
 
 
@@ -261,15 +288,22 @@ def permute_tokens(
             after every expert's block.
         check: see :func:`expert_order`.
     """
+    _tensor("permute_tokens", tokens, "tokens")
+    _tensor("permute_tokens", expert_indices, "expert_indices")
+    _tensor("permute_tokens", keep, "keep", none_ok=True)
+    check_int("permute_tokens", num_experts, "num_experts", low=1)
+    check_bool("permute_tokens", check, "check")
     if tokens.dim() != 2:
-        raise ValueError(f"permute_tokens: tokens must be (T, H), got shape {tuple(tokens.shape)}")
+        raise KernelsValueError(
+            f"permute_tokens: tokens must be (T, H), got shape {tuple(tokens.shape)}"
+        )
     if expert_indices.dtype not in (torch.int64, torch.int32):
-        raise TypeError(
+        raise KernelsTypeError(
             f"permute_tokens: expert_indices must be int64 or int32, got {expert_indices.dtype}"
         )
     idx = expert_indices if expert_indices.dim() == 2 else expert_indices.unsqueeze(1)
     if idx.dim() != 2 or idx.shape[0] != tokens.shape[0]:
-        raise ValueError(
+        raise KernelsValueError(
             f"permute_tokens: expert_indices has shape {tuple(expert_indices.shape)}; it needs "
             f"(T, k) with T = tokens.shape[0] = {tokens.shape[0]}"
         )
@@ -279,7 +313,7 @@ def permute_tokens(
     try:
         order, counts = expert_order(idx, num_experts, keep=keep, check=check)
     except ValueError as e:
-        raise ValueError(f"permute_tokens: {e}") from None
+        raise KernelsValueError(f"permute_tokens: {e}") from None
     inverse = _inverse(order)
     permuted = gather_rows(tokens, order, inverse, k, keep=keep)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=counts.device)
@@ -308,8 +342,14 @@ def unpermute_tokens(
         keep: the mask given to :func:`permute_tokens`; dropped copies count zero (their rows
             may hold anything, NaN included).
     """
+    _tensor("unpermute_tokens", permuted, "permuted")
+    _tensor("unpermute_tokens", order, "order")
+    for arg, value in (("probs", probs), ("inverse", inverse), ("keep", keep)):
+        _tensor("unpermute_tokens", value, arg, none_ok=True)
+    if num_tokens is not None:
+        check_int("unpermute_tokens", num_tokens, "num_tokens", low=1)
     if permuted.dim() != 2 or permuted.shape[0] != order.numel():
-        raise ValueError(
+        raise KernelsValueError(
             f"unpermute_tokens: permuted has shape {tuple(permuted.shape)}; it needs "
             f"({order.numel()}, H), one row per entry of order"
         )
@@ -318,7 +358,7 @@ def unpermute_tokens(
     if probs is None:
         t = order.numel() if num_tokens is None else int(num_tokens)
         if t <= 0 or order.numel() % t:
-            raise ValueError(
+            raise KernelsValueError(
                 f"unpermute_tokens: num_tokens={t} does not divide {order.numel()} rows"
             )
         k = order.numel() // t
@@ -328,7 +368,7 @@ def unpermute_tokens(
     if probs.dim() == 1:
         probs = probs.unsqueeze(1)
     if probs.dim() != 2 or probs.numel() != order.numel():
-        raise ValueError(
+        raise KernelsValueError(
             f"unpermute_tokens: probs has shape {tuple(probs.shape)} but order "
             f"has {order.numel()} entries (T * k)"
         )
@@ -410,10 +450,15 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, row_weights: torch.Tensor | None = 
     values of the rows: weighting the hidden activations equals weighting the expert outputs,
     the down projection being linear). On CUDA with Triton one fused kernel each way; elsewhere
     torch ops. Arithmetic in float32; the result in ``a``'s dtype."""
+    _tensor("swiglu", a, "a")
+    _tensor("swiglu", b, "b")
+    _tensor("swiglu", row_weights, "row_weights", none_ok=True)
     if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(f"swiglu: a {tuple(a.shape)} and b {tuple(b.shape)} must be one (R, H)")
+        raise KernelsValueError(
+            f"swiglu: a {tuple(a.shape)} and b {tuple(b.shape)} must be one (R, H)"
+        )
     if row_weights is not None and row_weights.shape != (a.shape[0],):
-        raise ValueError(
+        raise KernelsValueError(
             f"swiglu: row_weights has shape {tuple(row_weights.shape)}; it needs ({a.shape[0]},)"
         )
     fused = None

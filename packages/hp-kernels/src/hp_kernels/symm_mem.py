@@ -32,7 +32,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ._checks import check_group, check_int
 from ._ext import load
+from .errors import KernelsError, KernelsTypeError, KernelsValueError
 
 __all__ = [
     "HostSpanError",
@@ -48,11 +50,11 @@ _ALIGN = 4096
 _counter = itertools.count()
 
 
-class HostSpanError(ValueError):
+class HostSpanError(KernelsError, ValueError):
     """The group's ranks are on more than one host (raised on every rank alike)."""
 
 
-class PeerError(RuntimeError):
+class PeerError(KernelsError, RuntimeError):
     """A peer did not take part in time (it died, or did not arrive before the timeout)."""
 
 
@@ -164,7 +166,7 @@ class SymmetricMemory:
         shape = tuple(self.shape if shape is None else shape)
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or offset + size > self.nbytes:
-            raise ValueError(
+            raise KernelsValueError(
                 f"a view of {size} bytes at offset {offset} does not fit the {self.nbytes}-byte "
                 "symmetric buffer"
             )
@@ -179,7 +181,9 @@ class SymmetricMemory:
         _require_contiguous(tensor, "tensor")
         n = tensor.numel() * tensor.element_size()
         if offset < 0 or offset + n > self.nbytes:
-            raise ValueError(f"put of {n} bytes at offset {offset} overflows the peer buffer")
+            raise KernelsValueError(
+                f"put of {n} bytes at offset {offset} overflows the peer buffer"
+            )
         self._c.copy(self.buffer_addr(peer) + offset, tensor.data_ptr(), n)
 
     def get(self, peer: int, out: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -188,7 +192,9 @@ class SymmetricMemory:
         _require_contiguous(out, "out")
         n = out.numel() * out.element_size()
         if offset < 0 or offset + n > self.nbytes:
-            raise ValueError(f"get of {n} bytes at offset {offset} overflows the peer buffer")
+            raise KernelsValueError(
+                f"get of {n} bytes at offset {offset} overflows the peer buffer"
+            )
         self._c.copy(out.data_ptr(), self.buffer_addr(peer) + offset, n)
         return out
 
@@ -282,13 +288,13 @@ class SymmetricMemory:
     def _check_peer(self, peer: int, what: str) -> None:
         self._check_open()
         if not isinstance(peer, int) or not 0 <= peer < self.world_size:
-            raise ValueError(
+            raise KernelsValueError(
                 f"{what}={peer!r} is not a rank of this group (0..{self.world_size - 1})"
             )
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < NUM_SLOTS:
-            raise ValueError(
+            raise KernelsValueError(
                 f"slot={slot!r}: there are {NUM_SLOTS} signal slots (0..{NUM_SLOTS - 1})"
             )
 
@@ -322,11 +328,11 @@ def by_uid(uid: int) -> SymmetricMemory | None:
 
 def _require_contiguous(tensor: torch.Tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise KernelsTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
-        raise ValueError(f"{what} is on {tensor.device}; this operation takes CPU tensors")
+        raise KernelsValueError(f"{what} is on {tensor.device}; this operation takes CPU tensors")
     if not tensor.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
+        raise KernelsValueError(f"{what} must be contiguous (call .contiguous() first)")
 
 
 def empty(
@@ -354,7 +360,7 @@ def empty(
         device: ``None``/``"cpu"`` for shared host memory, or a CUDA device.
 
     Raises:
-        ValueError: the ranks disagree on shape or dtype, or the group spans hosts.
+        KernelsValueError: the ranks disagree on shape or dtype, or the group spans hosts.
         KernelsNotBuiltError: the compiled module is missing.
     """
     c = load()
@@ -365,11 +371,24 @@ def empty(
         from ._cuda import CudaSymmetricMemory
 
         return CudaSymmetricMemory(shape, dtype, group, torch.device(device))  # type: ignore[return-value]
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    check_group("symm_mem.empty", group)
+    if isinstance(shape, (str, bytes)) or not (
+        isinstance(shape, int) or hasattr(shape, "__iter__")
+    ):
+        raise KernelsTypeError(f"symm_mem.empty: shape={shape!r} must be an int or a tuple of ints")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = tuple(check_int("symm_mem.empty", s, f"shape={shape!r}: size") for s in shape)
     if any(s < 0 for s in shape):
-        raise ValueError(f"shape={shape} has a negative size")
+        raise KernelsValueError(f"shape={shape} has a negative size")
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        raise KernelsTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise KernelsTypeError(
+                f"symm_mem.empty: timeout={timeout!r} is a {type(timeout).__name__}: give seconds"
+            )
+        if not timeout > 0:
+            raise KernelsValueError(f"symm_mem.empty: timeout={timeout!r} must be > 0 seconds")
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     timeout = default_timeout() if timeout is None else float(timeout)
@@ -434,7 +453,7 @@ def _check_agreement(everyone: list, shape: tuple[int, ...], dtype: torch.dtype)
     first = everyone[0]
     for r, entry in enumerate(everyone):
         if (entry[2], entry[3]) != (first[2], first[3]):
-            raise ValueError(
+            raise KernelsValueError(
                 f"ranks disagree on the symmetric buffer: rank 0 asked for shape {first[2]} "
                 f"{first[3]}, rank {r} for shape {entry[2]} {entry[3]}; every rank must pass the "
                 "same shape and dtype"
