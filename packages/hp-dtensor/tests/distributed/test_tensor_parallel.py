@@ -523,3 +523,40 @@ def test_collective_matmul_needs_a_sequence_layout():
         hpp.RowwiseParallel(output_layouts=Shard(-1), collective_matmul=hpp.UNFUSED)
     with pytest.raises(hp.HPDTensorTypeError, match="collective_matmul='mc2'"):
         hpp.RowwiseParallel(output_layouts=Shard(1), collective_matmul="mc2")
+
+
+def _collective_matmul_autocast_and_copy():
+    import copy
+
+    torch.manual_seed(0)
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    r = torch.distributed.get_rank()
+    x = torch.randn(2, 8, 32).chunk(2, dim=1)[r].contiguous()
+    outs = {}
+    for fused in (False, True):
+        torch.manual_seed(1)
+        m = nn.Linear(32, 16)
+        kw = {"collective_matmul": hpp.UNFUSED} if fused else {}
+        hpp.parallelize_module(m, mesh, hpp.ColwiseParallel(input_layouts=Shard(1), **kw))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 matmuls
+            y = m(x)
+        y.float().square().sum().backward()
+        outs[fused] = (y, m.weight.grad.to_local().clone())
+        if fused:
+            twin = copy.deepcopy(m)  # computes with its own weights
+            with torch.no_grad():
+                twin.weight.to_local().zero_()
+                twin.bias.to_local().zero_()
+            outs["twin"] = twin(x)
+    return outs
+
+
+def test_collective_matmul_under_autocast_and_deepcopy(pool):
+    for outs in pool.run(_collective_matmul_autocast_and_copy):
+        (y0, g0), (y1, g1) = outs[False], outs[True]
+        assert y0.dtype == y1.dtype == torch.bfloat16
+        # bf16 products: the bias is added after the matmul's rounding in one, inside it in
+        # the other
+        torch.testing.assert_close(y1, y0, atol=2e-3, rtol=2e-2)
+        torch.testing.assert_close(g1, g0, atol=2e-2, rtol=2e-2)
+        assert outs["twin"].abs().max() == 0  # not the original's weights

@@ -41,7 +41,10 @@ class AdamW(torch.optim.AdamW):
                 f"{fn}: betas={betas!r}: give a pair (beta1, beta2), e.g. (0.9, 0.999)"
             )
         for i, b in enumerate(betas):
-            check_number(b, f"betas[{i}]", fn, high=1.0, high_open=True, tensor_ok=True)
+            # torch takes tensor betas only with capturable (or fused) steps
+            check_number(
+                b, f"betas[{i}]", fn, high=1.0, high_open=True, tensor_ok=capturable is True
+            )
         check_number(eps, "eps", fn)
         check_number(weight_decay, "weight_decay", fn)
         check_bool(amsgrad, "amsgrad", fn)

@@ -5,6 +5,7 @@ structure)."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -610,6 +611,25 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 "parallelism.async_tp=true fuses sequence parallelism's collectives into the "
                 f"matmuls: it needs tensor_parallel_degree > 1 (got {pd.tp}) and "
                 "sequence_parallel = true"
+            )
+        plan_actions = (config.activation_plan or {}).values()
+        if config.activation_checkpoint == "selective" or "selective" in plan_actions:
+            raise ConfigError(
+                "parallelism.async_tp=true with selective recomputation: the fused kernels "
+                "write their matmuls into shared buffers, which selective checkpointing cannot "
+                "cache; use activation_checkpoint full or swap, or leave async_tp false"
+            )
+        if config.seq_len is not None and (config.seq_len // pd.cp) % pd.tp:
+            raise ConfigError(
+                f"parallelism.async_tp=true: each rank's sequence ({config.seq_len // pd.cp} "
+                f"tokens) must divide by tensor_parallel_degree={pd.tp}: change training.seq_len"
+            )
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        if local_world and local_world % pd.tp:
+            raise ConfigError(
+                f"parallelism.async_tp=true: hp-kernels' MC2 runs within one host; "
+                f"tensor_parallel_degree={pd.tp} does not divide the {local_world} ranks per "
+                "host, so a TP group would span hosts: leave async_tp false"
             )
         import hp_kernels
 

@@ -181,3 +181,18 @@ def test_bad_activation_plans_and_offload_without_fsdp_are_refused(tmp_path):
         LLMTrainer(
             _cfg(tmp_path, 1, "--training.compile", "true", "--activation_checkpoint.mode", "swap")
         )
+
+
+def test_async_tp_refuses_what_it_cannot_fuse(tmp_path):
+    from hp_trainer import preflight
+
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.async_tp", "true"]
+    for extra, message in [
+        (["--parallelism.async_tp", "true"], "needs tensor_parallel_degree > 1"),
+        ([*tp2, "--parallelism.sequence_parallel", "false"], "sequence_parallel = true"),
+        ([*tp2, "--activation_checkpoint.mode", "selective"], "selective recomputation"),
+        ([*tp2, "--activation_checkpoint.plan", "layers.0=selective"], "selective"),
+        ([*tp2, "--training.seq_len", "33"], r"sequence \(33 tokens\) must divide"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            preflight(_cfg(tmp_path, 1, *extra), 2)

@@ -107,8 +107,8 @@ class _AllGatherLinear(torch.autograd.Function):
         gathered, w = ctx.saved_tensors
         dy = dy.contiguous()
         dx = ctx.kernels.matmul_reduce_scatter(dy, w, group=ctx.group, scatter_dim=ctx.dim)
-        dw = _rows(dy).t() @ _rows(gathered)
-        db = _rows(dy).sum(0) if ctx.has_bias else None
+        dw = _rows(dy).t() @ _rows(gathered) if ctx.needs_input_grad[1] else None
+        db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
 
@@ -133,8 +133,8 @@ class _LinearReduceScatter(torch.autograd.Function):
         gathered, (dx,) = ctx.kernels.all_gather_matmul(
             dy, [w], group=ctx.group, gather_dim=ctx.dim, return_gathered=True
         )
-        dw = _rows(gathered).t() @ _rows(x)
-        db = _rows(dy).sum(0) if ctx.has_bias else None
+        dw = _rows(gathered).t() @ _rows(x) if ctx.needs_input_grad[1] else None
+        db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
 

@@ -190,33 +190,50 @@ class _Linearish(ParallelStyle):
                     f"e.g. Shard(1)); got {layout!r}"
                 )
 
-    def _fused_forward(self, module, mesh, in_pl, desired_in, out_pl):
-        """``module``'s forward as one fused collective matmul (``collective_matmul``)."""
+    def _fused_forward(self, mesh, in_pl, desired_in, out_pl):
+        """The forward of a linear as one fused collective matmul (``collective_matmul``), to
+        be bound to the module (a method, so a deep copy computes with its own weights)."""
         from ._collective_matmul import all_gather_linear, linear_reduce_scatter
 
         kernels, group, use_local = self.collective_matmul, mesh.get_group(), self.use_local_output
         colwise = self._kind == "colwise"
         name = type(self).__name__
+        world = mesh.size()
 
-        def forward(x):
+        def forward(module, x):
             x = _as_dtensor(x, mesh, in_pl, in_pl if colwise else desired_in)
-            x = x.to_local() if isinstance(x, DTensor) else x
             dim = (in_pl if colwise else out_pl).dim % x.dim()
             if dim == x.dim() - 1:
                 raise PlacementError(
                     f"{name}: collective_matmul: the sequence dim {dim} of a {x.dim()}-D input "
                     "is its feature dim: shard a dim other than the last"
                 )
+            # the sequence as a whole (a DTensor's global length; a row-parallel input holds
+            # all of it): the same on every rank, so all raise together
+            seq = x.shape[dim] if (colwise and isinstance(x, DTensor)) else None
+            x = x.to_local() if isinstance(x, DTensor) else x
+            seq = x.shape[dim] if not colwise else seq
+            if seq is not None and seq % world:
+                raise PlacementError(
+                    f"{name}: collective_matmul needs the sequence ({seq} along dim {dim}) to "
+                    f"divide by the mesh size {world}: pad it, or leave collective_matmul None"
+                )
             w = module.weight.to_local()
             b = module.bias
-            if colwise:
-                b = b.to_local() if b is not None else None
-                y = all_gather_linear(x, w, b, kernels, group, dim)
-                out = DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
-            else:  # the whole bias, added once after the reduction: its gradient is partial
-                b = b.to_local(grad_placements=[Partial()]) if b is not None else None
-                y = linear_reduce_scatter(x, w, b, kernels, group, dim)
-                out = DTensor.from_local(y, mesh, [Shard(dim)], run_check=False)
+            if b is not None:  # a row-parallel bias is whole, added once: its gradient partial
+                b = b.to_local() if colwise else b.to_local(grad_placements=[Partial()])
+            dev = x.device.type
+            if torch.is_autocast_enabled(dev):  # the kernels take one dtype: autocast's
+                dtype = torch.get_autocast_dtype(dev)
+                x, w = x.to(dtype), w.to(dtype)
+                b = b.to(dtype) if b is not None else None
+            with torch.autocast(dev, enabled=False):
+                if colwise:
+                    y = all_gather_linear(x, w, b, kernels, group, dim)
+                    out = DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+                else:
+                    y = linear_reduce_scatter(x, w, b, kernels, group, dim)
+                    out = DTensor.from_local(y, mesh, [Shard(dim)], run_check=False)
             return _output(out, mesh, out_pl, use_local)
 
         return forward
@@ -228,6 +245,11 @@ class _Linearish(ParallelStyle):
     def validate(self, module, device_mesh, path):
         _one_d(device_mesh, type(self).__name__)
         _mesh_matches(module, device_mesh, type(self).__name__, path)
+        if self.collective_matmul is not None and not isinstance(module, nn.Linear):
+            raise HPDTensorTypeError(
+                f"{type(self).__name__}: collective_matmul applies to torch nn.Linear, not "
+                f"{path!r} ({type(module).__name__}): leave it None for this module"
+            )
         if _is_ms_cell(module):
             _ms_style("validate_linear_style")(self, module, device_mesh, path, self._kind)
             return
@@ -251,12 +273,10 @@ class _Linearish(ParallelStyle):
         out_pl = _placement(self.output_layouts or default_out, "output_layouts")
         use_local = self.use_local_output
         if self.collective_matmul is not None:
-            if not isinstance(module, nn.Linear):
-                raise HPDTensorTypeError(
-                    f"{type(self).__name__}: collective_matmul applies to nn.Linear, not "
-                    f"{type(module).__name__}: leave it None for this module"
-                )
-            module.forward = self._fused_forward(module, device_mesh, in_pl, desired_in, out_pl)
+            import types
+
+            fn = self._fused_forward(device_mesh, in_pl, desired_in, out_pl)
+            module.forward = types.MethodType(fn, module)
             return module
 
         def pre(mod, inputs):
