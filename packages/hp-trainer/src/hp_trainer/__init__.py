@@ -8,7 +8,7 @@ from ._pipeline import StageSet, pipeline_llama
 from ._trainer import Callback, LLMTrainer, preflight
 from .callbacks import LoggingCallback, MoeMonitorCallback
 from .config import JobConfig, load_config
-from .errors import ConfigError, NonFiniteError, PeerFailure, TrainingError
+from .errors import ConfigError, NonFiniteError, PeerFailure, TrainerTypeError, TrainingError
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "ParallelDims",
     "ParallelizeConfig",
     "StageSet",
+    "TrainerTypeError",
     "TrainingError",
     "dp_mesh",
     "load_config",

@@ -49,9 +49,15 @@ class ParallelDims:
         problems = []
         for name in KEYS:
             v = getattr(self, name)
-            if not isinstance(v, int) or (v < 1 and not (name == "dp_shard" and v == -1)):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or (v < 1 and not (name == "dp_shard" and v == -1))
+            ):
                 problems.append(f"{KEYS[name]}={v!r}: must be a positive integer")
-        if self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            problems.append(f"world_size={self.world_size!r}: must be a positive integer")
+        elif self.world_size < 1:
             problems.append(f"world_size={self.world_size}: must be at least 1")
         if problems:
             raise ConfigError("\n".join(problems))

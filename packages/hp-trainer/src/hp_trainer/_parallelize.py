@@ -16,7 +16,7 @@ import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
 from .config import ACTIVATION_ACTIONS
-from .errors import ConfigError
+from .errors import ConfigError, TrainerTypeError, check_instance
 
 __all__ = [
     "ParallelizeConfig",
@@ -56,6 +56,44 @@ class ParallelizeConfig:
     #: set by ``pipeline_llama`` for a stage: the activation plan was checked on the whole
     #: model, and a stage holds only some of the modules it names
     _stage: bool = False
+
+    def __post_init__(self) -> None:
+        fn = "ParallelizeConfig"
+        for arg in ("sequence_parallel", "cp_load_balance", "compile", "cpu_offload", "async_tp"):
+            check_instance(getattr(self, arg), bool, arg, fn, "give True or False")
+        raf = self.reshard_after_forward
+        if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
+            raise TrainerTypeError(
+                f"{fn}: reshard_after_forward={raf!r}: give True, False or a group size >= 1"
+            )
+        if self.activation_checkpoint not in ACTIVATION_ACTIONS:
+            raise ConfigError(
+                f"{fn}: activation_checkpoint={self.activation_checkpoint!r}: use one of "
+                f"{list(ACTIVATION_ACTIONS)}"
+            )
+        if self.activation_plan is not None:
+            check_instance(
+                self.activation_plan,
+                dict,
+                "activation_plan",
+                fn,
+                "give {pattern: action}, e.g. {'layers.0-3': 'swap'}",
+            )
+        if self.cp_method not in ("ring", "allgather", "ulysses"):
+            raise ConfigError(
+                f"{fn}: cp_method={self.cp_method!r}: use 'ring', 'allgather' or 'ulysses'"
+            )
+        for arg in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, arg)
+            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
+                raise TrainerTypeError(
+                    f"{fn}: {arg}={v!r}: give a floating torch.dtype (e.g. torch.bfloat16) or None"
+                )
+        if self.seq_len is not None:
+            check_instance(self.seq_len, int, "seq_len", fn, "give the sequence length")
+            if self.seq_len < 1:
+                raise ConfigError(f"{fn}: seq_len={self.seq_len}: must be at least 1")
+
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -722,6 +760,13 @@ def parallelize_llama(
     """
     from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from .models import Transformer
+
+    fn = "parallelize_llama"
+    check_instance(model, Transformer, "model", fn, "pass an hp_trainer.models.Transformer")
+    check_instance(parallel_dims, ParallelDims, "parallel_dims", fn, "build a ParallelDims")
+    if config is not None:
+        check_instance(config, ParallelizeConfig, "config", fn, "build a ParallelizeConfig")
     config = config or ParallelizeConfig()
     cfg = model.config
     parallel_dims.check_model(

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ._parallel_dims import ParallelDims
 from ._parallelize import ParallelizeConfig, parallelize_llama, resolve_activation_plan
-from .errors import ConfigError
+from .errors import ConfigError, check_instance
 
 __all__ = ["SCHEDULES", "StageSet", "layer_ranges", "pipeline_llama", "split_stage"]
 
@@ -124,6 +124,14 @@ def pipeline_llama(
         build_schedule,
     )
 
+    from .models import Transformer
+
+    check_instance(
+        model, Transformer, "model", "pipeline_llama", "pass an hp_trainer.models.Transformer"
+    )
+    check_instance(
+        parallel_dims, ParallelDims, "parallel_dims", "pipeline_llama", "build a ParallelDims"
+    )
     if schedule not in SCHEDULES:
         raise ConfigError(
             f"parallelism.pipeline_schedule={schedule!r}: use one of {sorted(SCHEDULES)}"

@@ -228,6 +228,15 @@ class LLMTrainer:
     created; under ``torchrun`` the group is created here."""
 
     def __init__(self, config: JobConfig, *, callbacks: list[Callback] | None = None) -> None:
+        from .errors import check_instance
+
+        check_instance(config, JobConfig, "config", "LLMTrainer", "build it with load_config")
+        if callbacks is not None:
+            check_instance(callbacks, (list, tuple), "callbacks", "LLMTrainer", "give a list")
+            for i, cb in enumerate(callbacks):
+                check_instance(
+                    cb, Callback, f"callbacks[{i}]", "LLMTrainer", "subclass hp_trainer.Callback"
+                )
         self.config = cfg = config
         t, p = cfg.training, cfg.parallelism
         world = (

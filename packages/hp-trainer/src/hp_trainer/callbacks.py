@@ -9,8 +9,17 @@ import sys
 from pathlib import Path
 
 from ._trainer import Callback
+from .errors import ConfigError, check_instance
 
 __all__ = ["Callback", "LoggingCallback", "MoeMonitorCallback"]
+
+
+def _check_args(fn: str, log_freq, tensorboard, plot) -> None:
+    check_instance(log_freq, int, "log_freq", fn, "give the steps between log lines")
+    if log_freq < 1:
+        raise ConfigError(f"{fn}: log_freq={log_freq}: must be at least 1")
+    check_instance(tensorboard, bool, "tensorboard", fn, "give True or False")
+    check_instance(plot, bool, "plot", fn, "give True or False")
 
 
 class LoggingCallback(Callback):
@@ -20,6 +29,7 @@ class LoggingCallback(Callback):
     ``<dump>/loss.png`` at the end (when ``plot``)."""
 
     def __init__(self, *, log_freq: int = 10, tensorboard: bool = True, plot: bool = True):
+        _check_args(type(self).__name__, log_freq, tensorboard, plot)
         self.log_freq, self.tensorboard, self.plot = log_freq, tensorboard, plot
         self.bar = self.writer = self.jsonl = None
         self.paths: dict[str, Path] = {}
@@ -112,6 +122,7 @@ class MoeMonitorCallback(Callback):
     ``LoggingCallback`` writes every metric)."""
 
     def __init__(self, *, log_freq: int = 10, tensorboard: bool = True, plot: bool = True):
+        _check_args(type(self).__name__, log_freq, tensorboard, plot)
         self.log_freq, self.tensorboard, self.plot = log_freq, tensorboard, plot
         self.writer = None
         self.load: dict[str, list[float]] = {}  # layer -> routed copies per expert, summed

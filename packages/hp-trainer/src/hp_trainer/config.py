@@ -265,6 +265,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then the TOML file, then ``--section.key value`` overrides. Unknown sections or
     keys, values of the wrong type and a missing data file raise :class:`ConfigError` naming
     the key."""
+    from .errors import check_instance
+
+    if path is not None:
+        check_instance(path, (str, Path), "path", "load_config", "give the TOML file's path")
+    if overrides is not None:
+        check_instance(
+            overrides,
+            (list, tuple),
+            "overrides",
+            "load_config",
+            "give a list such as ['--training.steps', '50']",
+        )
+        for i, o in enumerate(overrides):
+            check_instance(o, str, f"overrides[{i}]", "load_config", "give strings")
     cfg = JobConfig()
     if path is not None:
         path = Path(path)

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NonFiniteError", "PeerFailure", "TrainingError"]
+__all__ = ["ConfigError", "NonFiniteError", "PeerFailure", "TrainerTypeError", "TrainingError"]
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work (names the key and the fix); raised before any process
     group is created."""
+
+
+class TrainerTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (names it and what to pass instead)."""
+
+
+def check_instance(value, cls, arg: str, fn: str, hint: str = "") -> None:
+    """Raise :class:`TrainerTypeError` unless ``value`` is a ``cls`` (bools are not ints)."""
+    ok = isinstance(value, cls) and not (
+        isinstance(value, bool) and bool not in (cls if isinstance(cls, tuple) else (cls,))
+    )
+    if not ok:
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        shown = repr(value) if isinstance(value, (str, int, float, type(None))) else "<object>"
+        raise TrainerTypeError(
+            f"{fn}: {arg}={shown} is a {type(value).__name__}, not a {names}"
+            + (f": {hint}" if hint else "")
+        )
 
 
 class TrainingError(RuntimeError):

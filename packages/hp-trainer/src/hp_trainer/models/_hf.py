@@ -8,6 +8,7 @@ exported from it one tensor at a time.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -283,6 +284,9 @@ def from_pretrained(
     (transformers saves none: they keep their initialisation then). ``config``: build this
     configuration instead of the folder's (the same shapes; other training settings, such as
     the MoE balancing, may differ)."""
+    from ..errors import check_instance
+
+    check_instance(path, (str, os.PathLike), "path", "from_pretrained", "give the folder's path")
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():

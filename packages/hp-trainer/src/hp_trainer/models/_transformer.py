@@ -190,6 +190,9 @@ class Transformer(nn.Module):
     the embedding when ``tie_word_embeddings``). ``forward(tokens) -> logits [b, s, vocab]``."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
+        from ..errors import check_instance
+
+        check_instance(cfg, TransformerConfig, "cfg", "Transformer", "use models.get_config(name)")
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
