@@ -9,10 +9,9 @@ value, or an error on one rank only.
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 import types
-from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -46,17 +45,10 @@ from hp_dtensor.parallel import (
     context_parallel_shard,
     parallelize_module,
 )
+from hp_testing.bad_input import Case, by_id, check, run_case
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(2, timeout=60)
-
-
-class Case(NamedTuple):
-    id: str
-    call: Any  # ctx -> anything; must raise
-    error: type
-    match: str  # regex searched in the message; names the argument
-    collectives: bool = False  # the check needs a collective (run_check)
 
 
 def _q():
@@ -565,10 +557,9 @@ CASES = [
         r"target='nocolon'",
     ),
 ]
-_BY_ID = {c.id: c for c in CASES}
-assert len(_BY_ID) == len(CASES), "case ids must be unique"
+_BY_ID = by_id(CASES)
 
-_COLLECTIVES = (
+_COLLECTIVES = (  # hp_dtensor's platform collectives: a row must raise before any of them
     "all_gather_into",
     "reduce_scatter_into",
     "all_reduce",
@@ -577,69 +568,28 @@ _COLLECTIVES = (
     "barrier",
     "new_group",
 )
-_CTX: dict[str, Any] = {}
 
 
+@functools.cache
 def _ctx():
-    if not _CTX:
-        mesh = hp.init_device_mesh("cpu", (2,))
-        _CTX["ctx"] = types.SimpleNamespace(
-            rank=dist.get_rank(),
-            mesh=mesh,
-            mesh2=hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b")),
-            x=hp.distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)]),
-            torch_mesh=init_torch_mesh("cpu", (2,)),
-        )
-    return _CTX["ctx"]
+    mesh = hp.init_device_mesh("cpu", (2,))
+    return types.SimpleNamespace(
+        rank=dist.get_rank(),
+        mesh=mesh,
+        mesh2=hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b")),
+        x=hp.distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)]),
+        torch_mesh=init_torch_mesh("cpu", (2,)),
+    )
 
 
 def _run_case(case_id: str) -> dict:
     """On each rank: run the call, counting collectives; then check the group is still alive."""
-    case = _BY_ID[case_id]
-    ctx = _ctx()
-    platform = hp.get_platform("cpu")
-    calls: list[str] = []
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name in _COLLECTIVES:
-        setattr(platform, name, counting(name, getattr(platform, name)))
-    try:
-        case.call(ctx)
-        out = {"raised": None}
-    except Exception as e:
-        out = {
-            "raised": f"{type(e).__module__}.{type(e).__qualname__}",
-            "typed": isinstance(e, case.error) and isinstance(e, HPDTensorError),
-            "message": str(e),
-        }
-    finally:
-        for name in _COLLECTIVES:
-            delattr(platform, name)
-    out["collectives"] = calls
-    t = torch.ones(1)
-    dist.all_reduce(t)  # both ranks got here: no rank was left inside a collective
-    out["alive"] = t.item()
-    return out
+    return run_case(_BY_ID[case_id].call, _ctx(), count=(hp.get_platform("cpu"), _COLLECTIVES))
 
 
 @pytest.mark.parametrize("case_id", list(_BY_ID))
 def test_bad_input_raises_typed_error_on_every_rank(pool, case_id):
-    case = _BY_ID[case_id]
-    res = pool.run(_run_case, case_id)
-    assert res[0] == res[1], f"ranks differ: {res}"
-    r = res[0]
-    assert r["raised"] is not None, f"{case_id}: no error raised"
-    assert r["typed"], f"{case_id}: raised {r['raised']}, want {case.error.__name__}: {r}"
-    assert re.search(case.match, r["message"]), f"{case_id}: {r['message']!r} !~ {case.match!r}"
-    if not case.collectives:
-        assert r["collectives"] == [], f"{case_id}: raised after collectives {r['collectives']}"
-    assert r["alive"] == 2.0
+    check(_BY_ID[case_id], pool.run(_run_case, case_id), HPDTensorError)
 
 
 def _src_data_rank():

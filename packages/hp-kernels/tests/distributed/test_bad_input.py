@@ -12,9 +12,6 @@ rank alone still stops both ranks, now with a typed error.
 
 from __future__ import annotations
 
-import re
-from typing import Any, NamedTuple
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,18 +25,12 @@ from hp_kernels import (
     mc2,
     symm_mem,
 )
+from hp_testing.bad_input import Case, by_id, check, run_case, type_name
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pytestmark = pytest.mark.skipif(not hp_kernels.is_built(), reason="hp_kernels._C not built")
 
 pool = rank_pool_fixture(2, timeout=120)
-
-
-class Case(NamedTuple):
-    id: str
-    call: Any  # () -> anything; must raise
-    error: type
-    match: str  # regex searched in the message; names the argument
 
 
 def _w():
@@ -285,38 +276,23 @@ CASES = [
         r"symm_mem\.empty: group='world' is a str",
     ),
 ]
-_BY_ID = {c.id: c for c in CASES}
-assert len(_BY_ID) == len(CASES), "case ids must be unique"
+_BY_ID = by_id(CASES)
+
+
+def _alive() -> list:
+    y = torch.ones(2)
+    comm.all_reduce(y)  # both ranks got here, and the group's workspace still works
+    return y.tolist()
 
 
 def _run_case(case_id: str) -> dict:
-    case = _BY_ID[case_id]
     torch.manual_seed(0)
-    try:
-        case.call()
-        out = {"raised": None}
-    except Exception as e:
-        out = {
-            "raised": f"{type(e).__module__}.{type(e).__qualname__}",
-            "typed": isinstance(e, case.error) and isinstance(e, KernelsError),
-            "message": str(e),
-        }
-    y = torch.ones(2)
-    comm.all_reduce(y)  # both ranks got here, and the group's workspace still works
-    out["alive"] = y.tolist()
-    return out
+    return run_case(_BY_ID[case_id].call, alive=_alive)
 
 
 @pytest.mark.parametrize("case_id", list(_BY_ID))
 def test_bad_input_raises_typed_error_on_every_rank(pool, case_id):
-    case = _BY_ID[case_id]
-    res = pool.run(_run_case, case_id)
-    assert res[0] == res[1], f"ranks differ: {res}"
-    r = res[0]
-    assert r["raised"] is not None, f"{case_id}: no error raised"
-    assert r["typed"], f"{case_id}: raised {r['raised']}, want {case.error.__name__}: {r}"
-    assert re.search(case.match, r["message"]), f"{case_id}: {r['message']!r} !~ {case.match!r}"
-    assert r["alive"] == [2.0, 2.0]
+    check(_BY_ID[case_id], pool.run(_run_case, case_id), KernelsError, alive=[2.0, 2.0])
 
 
 def _one_rank_bad(kind: str) -> dict:
@@ -339,15 +315,7 @@ def _one_rank_bad(kind: str) -> dict:
         ),
         "mm_rs_x_none": lambda: mc2.matmul_reduce_scatter(None if rank else torch.randn(4, 8), w),
     }
-    try:
-        calls[kind]()
-        out = {"raised": None}
-    except Exception as e:
-        out = {"raised": type(e).__name__, "typed": isinstance(e, KernelsError), "msg": str(e)}
-    y = torch.ones(2)
-    comm.all_reduce(y)
-    out["alive"] = y.tolist()
-    return out
+    return run_case(calls[kind], alive=_alive)
 
 
 @pytest.mark.parametrize(
@@ -363,9 +331,9 @@ def _one_rank_bad(kind: str) -> dict:
 )
 def test_one_bad_rank_stops_every_rank_with_a_typed_error(pool, kind):
     r0, r1 = pool.run(_one_rank_bad, kind)
-    assert r0["typed"] and r1["typed"], (r0, r1)
-    assert "rank(s) [1] passed invalid arguments" in r0["msg"], r0
-    assert r1["raised"] == "KernelsTypeError", r1
+    assert all(type_name(KernelsError) in r["types"] for r in (r0, r1)), (r0, r1)
+    assert "rank(s) [1] passed invalid arguments" in r0["message"], r0
+    assert r1["raised"] == type_name(KernelsTypeError), r1
     assert r0["alive"] == r1["alive"] == [2.0, 2.0]
 
 

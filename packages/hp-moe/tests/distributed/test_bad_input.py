@@ -11,13 +11,11 @@ counted as True. Argument checks that need no mesh are in ``tests/unit/test_bad_
 
 from __future__ import annotations
 
-import re
+import functools
 import types
-from typing import Any, NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh as init_torch_mesh
 
 import hp_dtensor as hp
@@ -36,16 +34,10 @@ from hp_moe import (
     OneSidedDispatcher,
     TensorParallel,
 )
+from hp_testing.bad_input import Case, by_id, check, run_case
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(2, timeout=60)
-
-
-class Case(NamedTuple):
-    id: str
-    call: Any  # ctx -> anything; must raise
-    error: type
-    match: str  # regex searched in the message; names the argument
 
 
 def _experts():
@@ -158,10 +150,9 @@ CASES = [
         r"OneSidedDispatcher: mesh must be an hp_dtensor DeviceMesh",
     ),
 ]
-_BY_ID = {c.id: c for c in CASES}
-assert len(_BY_ID) == len(CASES), "case ids must be unique"
+_BY_ID = by_id(CASES)
 
-_COLLECTIVES = (
+_COLLECTIVES = (  # hp_dtensor's platform collectives: a row must raise before any of them
     "all_gather_into",
     "reduce_scatter_into",
     "all_reduce",
@@ -170,67 +161,28 @@ _COLLECTIVES = (
     "barrier",
     "new_group",
 )
-_CTX: dict[str, Any] = {}
 
 
+@functools.cache
 def _ctx():
-    if not _CTX:
-        _CTX["ctx"] = types.SimpleNamespace(
-            mesh=hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)),
-            mesh2d=hp.init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp")),
-            mesh2d_unnamed=hp.init_device_mesh("cpu", (2, 1)),
-            torch_mesh=init_torch_mesh("cpu", (2,)),
-        )
-    return _CTX["ctx"]
+    return types.SimpleNamespace(
+        mesh=hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)),
+        mesh2d=hp.init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp")),
+        mesh2d_unnamed=hp.init_device_mesh("cpu", (2, 1)),
+        torch_mesh=init_torch_mesh("cpu", (2,)),
+    )
 
 
 def _run_case(case_id: str) -> dict:
     """On each rank: run the call, counting collectives; then check the group is still alive."""
-    case = _BY_ID[case_id]
     ctx = _ctx()
     torch.manual_seed(0)
-    platform = hp.get_platform("cpu")
-    calls: list[str] = []
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name in _COLLECTIVES:
-        setattr(platform, name, counting(name, getattr(platform, name)))
-    try:
-        case.call(ctx)
-        out = {"raised": None}
-    except Exception as e:
-        out = {
-            "raised": f"{type(e).__module__}.{type(e).__qualname__}",
-            "typed": isinstance(e, case.error) and isinstance(e, MoEError),
-            "message": str(e),
-        }
-    finally:
-        for name in _COLLECTIVES:
-            delattr(platform, name)
-    out["collectives"] = calls
-    t = torch.ones(1)
-    dist.all_reduce(t)  # both ranks got here: no rank was left inside a collective
-    out["alive"] = t.item()
-    return out
+    return run_case(_BY_ID[case_id].call, ctx, count=(hp.get_platform("cpu"), _COLLECTIVES))
 
 
 @pytest.mark.parametrize("case_id", list(_BY_ID))
 def test_bad_input_raises_typed_error_on_every_rank(pool, case_id):
-    case = _BY_ID[case_id]
-    res = pool.run(_run_case, case_id)
-    assert res[0] == res[1], f"ranks differ: {res}"
-    r = res[0]
-    assert r["raised"] is not None, f"{case_id}: no error raised"
-    assert r["typed"], f"{case_id}: raised {r['raised']}, want {case.error.__name__}: {r}"
-    assert re.search(case.match, r["message"]), f"{case_id}: {r['message']!r} !~ {case.match!r}"
-    assert r["collectives"] == [], f"{case_id}: raised after collectives {r['collectives']}"
-    assert r["alive"] == 2.0
+    check(_BY_ID[case_id], pool.run(_run_case, case_id), MoEError)
 
 
 def test_mesh_errors_are_still_hp_dtensor_mesh_errors():

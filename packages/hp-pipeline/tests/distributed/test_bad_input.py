@@ -12,9 +12,8 @@ found only on the last stage's rank after the whole step ran. Checks that need n
 
 from __future__ import annotations
 
-import re
+import functools
 import types
-from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -29,16 +28,10 @@ from hp_pipeline import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from hp_testing.bad_input import Case, by_id, check, run_case
 from hp_testing.pytest_plugin import rank_pool_fixture
 
 pool = rank_pool_fixture(2, timeout=60)
-
-
-class Case(NamedTuple):
-    id: str
-    call: Any  # ctx -> anything; must raise
-    error: type
-    match: str  # regex searched in the message; names the argument
 
 
 def _loss(out, target):
@@ -84,10 +77,9 @@ CASES = [
         r"ScheduleGPipe\.step: losses is a str: give a list",
     ),
 ]
-_BY_ID = {c.id: c for c in CASES}
-assert len(_BY_ID) == len(CASES), "duplicate case ids"
+_BY_ID = by_id(CASES)
 
-_COLLECTIVES = (
+_COLLECTIVES = (  # torch.distributed's: a row must raise before any collective or transfer
     "send",
     "recv",
     "isend",
@@ -101,68 +93,28 @@ _COLLECTIVES = (
     "barrier",
     "new_group",
 )
-_CTX: dict[str, Any] = {}
 
 
+@functools.cache
 def _ctx():
-    if not _CTX:
-        rank = dist.get_rank()
-        _CTX["ctx"] = types.SimpleNamespace(
-            rank=rank,
-            world=dist.group.WORLD,
-            other=dist.new_group([0, 1]),
-            torch_mesh=init_torch_mesh("cpu", (2,), mesh_dim_names=("pp",)),
-            gpipe=ScheduleGPipe(PipelineStage(nn.Linear(2, 2), rank, 2, device="cpu"), 2, _loss),
-        )
-    return _CTX["ctx"]
+    rank = dist.get_rank()
+    return types.SimpleNamespace(
+        rank=rank,
+        world=dist.group.WORLD,
+        other=dist.new_group([0, 1]),
+        torch_mesh=init_torch_mesh("cpu", (2,), mesh_dim_names=("pp",)),
+        gpipe=ScheduleGPipe(PipelineStage(nn.Linear(2, 2), rank, 2, device="cpu"), 2, _loss),
+    )
 
 
 def _run_case(case_id: str) -> dict:
     """On each rank: run the call, counting collectives; then check the group is still alive."""
-    case = _BY_ID[case_id]
-    ctx = _ctx()
-    calls: list[str] = []
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in saved.items():
-        setattr(dist, name, counting(name, fn))
-    try:
-        case.call(ctx)
-        out = {"raised": None}
-    except Exception as e:
-        out = {
-            "raised": f"{type(e).__module__}.{type(e).__qualname__}",
-            "typed": isinstance(e, case.error) and isinstance(e, PipelineError),
-            "message": str(e),
-        }
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-    out["collectives"] = calls
-    t = torch.ones(1)
-    dist.all_reduce(t)  # both ranks got here: no rank was left inside a collective
-    out["alive"] = t.item()
-    return out
+    return run_case(_BY_ID[case_id].call, _ctx(), count=(dist, _COLLECTIVES))
 
 
 @pytest.mark.parametrize("case_id", list(_BY_ID))
 def test_bad_input_raises_typed_error_on_every_rank(pool, case_id):
-    case = _BY_ID[case_id]
-    res = pool.run(_run_case, case_id)
-    assert res[0] == res[1], f"ranks differ: {res}"
-    r = res[0]
-    assert r["raised"] is not None, f"{case_id}: no error raised"
-    assert r["typed"], f"{case_id}: raised {r['raised']}, want {case.error.__name__}: {r}"
-    assert re.search(case.match, r["message"]), f"{case_id}: {r['message']!r} !~ {case.match!r}"
-    assert r["collectives"] == [], f"{case_id}: raised after collectives {r['collectives']}"
-    assert r["alive"] == 2.0
+    check(_BY_ID[case_id], pool.run(_run_case, case_id), PipelineError)
 
 
 def _good_step():
