@@ -34,6 +34,8 @@ from ._rules import Call, Strategy, TensorMeta, register_sharding_rule, register
 from ._shard_api import DFunction, SkipDTensorDispatch, custom_shard, shard_module
 from ._shard_math import chunk_size_and_offset, local_shape_and_offset
 from ._spec import DTensorSpec
+from ._transfer import Transfer, TransferPlan, plan_transfer
+from ._transfer_torch import TransferHandle, transfer_state_dict
 from .errors import (
     BackendError,
     ContextParallelError,
@@ -110,6 +112,11 @@ __all__ = [
     "manual_seed",
     "mesh_from_layout",
     "mark_created_groups",
+    "plan_transfer",
+    "transfer_state_dict",
+    "Transfer",
+    "TransferHandle",
+    "TransferPlan",
     "new_group",
     "plan_redistribute",
     "platform_class",

@@ -250,10 +250,20 @@ class DTensor(torch.Tensor):
         The plan (see ``plan_redistribute``) moves the fewest bytes and is cached. Collectives
         are enqueued in stream order on NCCL/HCCL, so the host does not wait for them there;
         ``async_op`` is accepted for API compatibility and changes nothing on gloo.
+
+        ``device_mesh`` may be another mesh over the same ranks (another shape, order or
+        naming): the pieces move point to point, exactly the overlapping boxes
+        (``plan_transfer``); still differentiable. For meshes over other ranks use
+        ``plan_transfer(...).run``.
         """
         spec = self._spec
         if async_op is not False and async_op is not True:
             check_bool(async_op, "async_op", "redistribute")
+        if device_mesh is not None and device_mesh is not spec.mesh and device_mesh != spec.mesh:
+            check_mesh(device_mesh, "device_mesh", "redistribute")
+            from ._transfer_torch import redistribute_across_meshes
+
+            return redistribute_across_meshes(self, device_mesh, placements)
         placements = redistribute_target(spec, device_mesh, placements)
         if placements == spec.placements:
             return self

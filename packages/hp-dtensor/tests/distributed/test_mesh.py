@@ -202,3 +202,28 @@ def test_mark_created_groups_adopts_outside_groups(pool):
     res = pool.run(_adopt)
     assert res[:3] == [{"reused": True, "listed": True, "sum": 3.0}] * 3
     assert res[3] == {}
+
+
+def _overlapping():
+    r = dist.get_rank()
+    out = {}
+    # every rank builds both, in the same order; only members make groups, and ranks 1 and 2
+    # have made one more group than rank 3 by the time of the second (torch's own naming of
+    # such groups then differs between members, and they waited for each other forever)
+    for name, ranks in (("a", [0, 1, 2]), ("b", [1, 2, 3]), ("c", [3, 0])):
+        mesh = hp.DeviceMesh("cpu", ranks)
+        if r in ranks:
+            t = torch.tensor([float(r)])
+            dist.all_reduce(t, group=mesh.get_group())
+            out[name] = t.item()
+    return out
+
+
+def test_meshes_over_overlapping_rank_sets(pool):
+    res = pool.run(_overlapping)
+    assert res == [
+        {"a": 3.0, "c": 3.0},
+        {"a": 3.0, "b": 6.0},
+        {"a": 3.0, "b": 6.0},
+        {"b": 6.0, "c": 3.0},
+    ]

@@ -5,6 +5,7 @@ torch_npu is imported only when the NPU device type is asked for, never at impor
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 from datetime import timedelta
@@ -92,11 +93,30 @@ class TorchPlatform:
         return dist.get_world_size(group)
 
     def new_group(self, ranks, timeout_s=None):
-        """A group of ``ranks``; only members take part (local synchronisation)."""
+        """A group of ``ranks``; only members take part (local synchronisation).
+
+        torch names such a group after its ranks and the number of groups this process
+        already has, so members that made different numbers of other groups (meshes over
+        overlapping rank sets: [0, 1, 2] then [1, 2, 3] on four ranks) would meet under
+        different names and wait for each other forever. The name here depends on the ranks
+        and on how many times this process asked for them, which every member counts alike.
+        """
         if len(ranks) == dist.get_world_size():
             return dist.group.WORLD
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        return dist.new_group(list(ranks), use_local_synchronization=True, **kw)
+        key = tuple(int(r) for r in ranks)
+        created = self.__dict__.setdefault("_created", {})
+        n = created[key] = created.get(key, -1) + 1
+        name = hashlib.sha1(f"hp_dtensor/{'_'.join(map(str, key))}/{n}".encode()).hexdigest()
+        c10d = dist.distributed_c10d
+        hashed = getattr(c10d, "_hash_ranks_to_str", None)
+        if hashed is None:  # another torch: its own naming
+            return dist.new_group(list(key), use_local_synchronization=True, **kw)
+        c10d._hash_ranks_to_str = lambda _ranks: name
+        try:
+            return dist.new_group(list(key), use_local_synchronization=True, **kw)
+        finally:
+            c10d._hash_ranks_to_str = hashed
 
     def group_ranks(self, group) -> list[int]:
         return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
