@@ -112,6 +112,9 @@ def destroy_process_group(*, barrier: bool = True) -> None:
     _GROUPS.clear()
     if platform.is_initialized():
         platform.destroy_process_group()
+    forget = getattr(platform, "forget_groups", None)
+    if forget is not None:  # group names restart with the next process group
+        forget()
 
 
 def new_group(ranks: Sequence[int]) -> Any:

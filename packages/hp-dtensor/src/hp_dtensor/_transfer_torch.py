@@ -24,20 +24,49 @@ def _coordinate(mesh, rank: int) -> tuple[int, ...]:
     return _Side(tuple(mesh.rank_list), tuple(mesh.shape), ()).coordinate(rank)
 
 
-def _agree(ranks: tuple[int, ...], problem: str, device) -> None:
-    """Every one of ``ranks`` learns whether any rank's arguments are wrong, and all raise."""
+def _fingerprint(*plans: TransferPlan) -> int:
+    """A number every rank computes alike from the plans' shapes, dtypes, layouts and ranks."""
+    import hashlib
+
+    text = repr(
+        [
+            (
+                p.shape,
+                str(p.dtype),
+                p.src_placements,
+                p.dst_placements,
+                p.ranks,
+                tuple(p.src_mesh.rank_list),
+                tuple(p.dst_mesh.rank_list),
+            )
+            for p in plans
+        ]
+    )
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+
+
+def _agree(ranks: tuple[int, ...], problem: str, device, fingerprint: int = 0) -> None:
+    """Every one of ``ranks`` learns whether any rank's arguments are wrong, or whether the
+    ranks hold different plans (``fingerprint``), and all raise: one all-reduce, before any
+    transfer."""
     from ._groups import new_group
 
     me = dist.get_rank()
-    flags = torch.zeros(len(ranks), device=device)
+    flags = torch.zeros(len(ranks) + 2, dtype=torch.int64, device=device)
     if problem:
-        flags[ranks.index(me)] = 1.0
-    group = new_group(ranks)
-    dist.all_reduce(flags, group=group)  # CPU: on the default (gloo) side of the group
-    bad = [r for r, f in zip(ranks, flags.tolist()) if f]
+        flags[ranks.index(me)] = 1
+    flags[-2], flags[-1] = fingerprint, -fingerprint
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=new_group(ranks))
+    values = flags.tolist()
+    bad = [r for r, f in zip(ranks, values) if f]
     if bad:
         raise ShardingError(
             problem or f"transfer: rank(s) {bad} passed invalid arguments (see theirs)"
+        )
+    if values[-2] != -values[-1]:
+        raise ShardingError(
+            "transfer: the ranks planned different transfers (shapes, dtypes, placements or "
+            "meshes differ between them): build the plan from the same arguments everywhere"
         )
 
 
@@ -54,6 +83,11 @@ def _problem(plan: TransferPlan, local, me: int, what: str = "") -> str:
                 f"TransferPlan.run{what}: rank {me} is in the source mesh and passed "
                 f"{type(local).__name__}: pass its local piece"
             )
+        if local.device.type != plan.src_mesh.device_type:
+            return (
+                f"TransferPlan.run{what}: rank {me}'s piece is on {local.device}; the source "
+                f"mesh is on {plan.src_mesh.device_type!r}: move it there"
+            )
         if tuple(local.shape) != tuple(size) or local.dtype != plan.dtype:
             return (
                 f"TransferPlan.run{what}: rank {me}'s piece is {tuple(local.shape)} "
@@ -68,10 +102,12 @@ def _problem(plan: TransferPlan, local, me: int, what: str = "") -> str:
     return ""
 
 
-def _post(plan: TransferPlan, local, me: int, device, ops: list):
-    """Append this rank's sends and receives of ``plan`` to ``ops``. Returns (out, received):
-    a destination rank's output piece (None elsewhere) and the receives that landed in
-    buffers of their own (transfer, buffer); the others land straight in ``out``."""
+def _post(plan: TransferPlan, local, me: int, device, ops: list, group, snapshot: bool):
+    """Append this rank's sends and receives of ``plan`` to ``ops`` (peers in ``group``: the
+    ranks of both meshes) and put its local parts in place. Returns (out, parts): a
+    destination rank's output piece (None elsewhere) and the parts still to add or copy into
+    it, in plan order (transfer, buffer). With ``snapshot`` every send and local part is a
+    copy, so the caller may change its tensors before the transfer finishes."""
     from ._shard_math import local_shape_and_offset
 
     base = None
@@ -87,41 +123,41 @@ def _post(plan: TransferPlan, local, me: int, device, ops: list):
         # the boxes tile the piece exactly: nothing to zero unless contributions are summed
         alloc = torch.zeros if plan.reduce else torch.empty
         out = alloc(d_size, dtype=plan.dtype, device=device)
-    received = []
+    parts = []
     for t in plan.transfers:
-        if t.src == t.dst:
-            continue
         if t.src == me:
-            piece = _region(local, base, t.offset, t.size).contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, t.dst))
+            region = _region(local, base, t.offset, t.size)
+            if t.dst == me:
+                if plan.reduce:  # summed with the others in plan order, the same everywhere
+                    parts.append((t, region.clone() if snapshot else region))
+                else:
+                    _region(out, d_base, t.offset, t.size).copy_(region)
+                continue
+            piece = region.contiguous()
+            if snapshot and piece.data_ptr() == region.data_ptr():
+                piece = piece.clone()
+            ops.append(dist.P2POp(dist.isend, piece, t.dst, group))
         elif t.dst == me:
             view = _region(out, d_base, t.offset, t.size)
             if not plan.reduce and view.is_contiguous():  # received in place: no copy
-                ops.append(dist.P2POp(dist.irecv, view, t.src))
+                ops.append(dist.P2POp(dist.irecv, view, t.src, group))
                 continue
             buf = torch.empty(t.size, dtype=plan.dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, t.src))
-            received.append((t, buf))
-    return out, received
+            ops.append(dist.P2POp(dist.irecv, buf, t.src, group))
+            parts.append((t, buf))
+    return out, parts
 
 
-def _assemble(plan: TransferPlan, local, me: int, out, received):
-    """This destination rank's DTensor: ``out`` with its local parts and the separately
-    buffered receives (all arrived) put in."""
+def _assemble(plan: TransferPlan, me: int, out, parts):
+    """This destination rank's DTensor: ``out`` with ``parts`` (all arrived) added, in plan
+    order, or copied in."""
     from ._dtensor import DTensor
     from ._shard_math import local_shape_and_offset
 
     _, d_base = local_shape_and_offset(
         plan.shape, plan.dst_mesh.shape, _coordinate(plan.dst_mesh, me), plan.dst_placements
     )
-    if me in plan.src_mesh.rank_list:
-        _, s_base = local_shape_and_offset(
-            plan.shape, plan.src_mesh.shape, _coordinate(plan.src_mesh, me), plan.src_placements
-        )
-        for t in plan.transfers:
-            if t.src == me and t.dst == me:
-                _put(out, d_base, t, _region(local, s_base, t.offset, t.size), plan.reduce)
-    for t, buf in received:
+    for t, buf in parts:
         _put(out, d_base, t, buf, plan.reduce)
     return DTensor.from_local(
         out, plan.dst_mesh, plan.dst_placements, run_check=False, shape=plan.shape
@@ -136,6 +172,8 @@ def _local_of(local):
 
 def run_transfer(plan: TransferPlan, local):
     """Run ``plan`` on this rank (see ``TransferPlan.run``)."""
+    from ._groups import new_group
+
     if not dist.is_initialized():
         raise ShardingError("TransferPlan.run needs the default process group: initialise it")
     me = dist.get_rank()
@@ -144,15 +182,16 @@ def run_transfer(plan: TransferPlan, local):
             f"TransferPlan.run: rank {me} is in neither mesh ({plan.ranks}): do not call it here"
         )
     local = _local_of(local)
-    _agree(plan.ranks, _problem(plan, local, me), _device(plan))
+    _agree(plan.ranks, _problem(plan, local, me), _device(plan), _fingerprint(plan))
     device = local.device if isinstance(local, torch.Tensor) else _device(plan)
     ops: list = []
-    out, received = _post(plan, local, me, device, ops)
-    for r in dist.batch_isend_irecv(ops) if ops else []:
-        r.wait()
-    if me not in plan.dst_mesh.rank_list:
-        return None
-    return _assemble(plan, local, me, out, received)
+    with torch.no_grad():
+        out, parts = _post(plan, local, me, device, ops, new_group(plan.ranks), False)
+        for r in dist.batch_isend_irecv(ops) if ops else []:
+            r.wait()
+        if me not in plan.dst_mesh.rank_list:
+            return None
+        return _assemble(plan, me, out, parts)
 
 
 def _put(out, base, t, values, add: bool) -> None:
@@ -210,16 +249,23 @@ def redistribute_across_meshes(x, device_mesh, placements):
 
 def _encode(p) -> str:
     if isinstance(p, Partial):
-        return "P"
+        return f"P:{p.reduce_op}"
     return "R" if isinstance(p, Replicate) else f"S{p.dim}"
 
 
 def _decode(text: str):
     from ._placement import Shard
 
-    if text == "P":
-        return Partial()
+    if text.startswith("P:"):
+        return Partial(text[2:])
     return Replicate() if text == "R" else Shard(int(text[1:]))
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ShardingError(f"transfer_state_dict: dtype {name!r} is not a torch dtype")
+    return value
 
 
 def _broadcast_json(value, src: int, group, device):
@@ -244,8 +290,9 @@ class TransferHandle:
     sends and receives are posted; ``wait()`` finishes them and returns the destination's
     state dict (None on ranks outside the destination mesh)."""
 
-    def __init__(self, requests, finish) -> None:
+    def __init__(self, requests, finish, ops=()) -> None:
         self._requests, self._finish, self._result, self._done = requests, finish, None, False
+        self._ops = ops  # the buffers in flight stay alive until wait()
 
     def wait(self):
         """Block until every transfer of this rank is done; the destination state dict."""
@@ -253,6 +300,7 @@ class TransferHandle:
             for r in self._requests:
                 r.wait()
             self._result, self._done = self._finish(), True
+            self._ops = ()
         return self._result
 
 
@@ -267,9 +315,9 @@ def transfer_state_dict(src_state_dict, dst_layouts, *, src_mesh, dst_mesh, asyn
     distinct (shape, dtype, layouts) and all transfers in one batch of point-to-point ops.
     Returns the destination's {name: DTensor} (None elsewhere), or with ``async_op`` a
     :class:`TransferHandle` whose ``wait()`` returns it, so a trainer can overlap the move
-    with its next step."""
+    with its next step: what the sources send is copied when the call returns, so their
+    tensors may change right after."""
     from ._checks import check_bool, check_mesh
-    from ._dtensor import DTensor
     from ._groups import new_group
 
     for arg, mesh in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
@@ -298,14 +346,10 @@ def transfer_state_dict(src_state_dict, dst_layouts, *, src_mesh, dst_mesh, asyn
         problem = f"transfer_state_dict: rank {me} is a destination: pass dst_layouts (a dict)"
     elif me not in dst_ranks and dst_layouts is not None:
         problem = f"transfer_state_dict: rank {me} is not a destination: pass dst_layouts=None"
-    elif me in src_ranks:
-        for name, t in src_state_dict.items():
-            if not isinstance(t, DTensor) or t.device_mesh != src_mesh:
-                problem = (
-                    f"transfer_state_dict: src_state_dict[{name!r}] is not a DTensor on "
-                    "src_mesh: distribute it there first"
-                )
-                break
+    else:
+        problem = _side_problem(
+            src_state_dict, dst_layouts, src_mesh, me in src_ranks, me in dst_ranks
+        )
     _agree(ranks, problem, device)
     group = new_group(ranks)
     src_meta = None
@@ -341,19 +385,58 @@ def transfer_state_dict(src_state_dict, dst_layouts, *, src_mesh, dst_mesh, asyn
             dst_mesh,
             [_decode(p) for p in dst_meta[name]],
             m["shape"],
-            getattr(torch, m["dtype"]),
+            _dtype(m["dtype"]),
         )
-    locals_ = {n: _local_of(src_state_dict[n]) if me in src_ranks else None for n in plans}
-    problems = [_problem(plans[n], locals_[n], me, f" ({n!r})") for n in plans]
-    _agree(ranks, next((p for p in problems if p), ""), device)
+    problems = []
+    if me in src_ranks and set(src_state_dict) != set(src_meta):
+        problems.append(
+            f"transfer_state_dict: rank {me}'s src_state_dict names other tensors than rank "
+            f"{src_ranks[0]}'s: every source rank passes the same keys"
+        )
+    if me in dst_ranks and set(dst_layouts) != set(dst_meta):
+        problems.append(
+            f"transfer_state_dict: rank {me}'s dst_layouts names other tensors than rank "
+            f"{dst_ranks[0]}'s: every destination rank passes the same keys"
+        )
+    locals_ = {n: _local_of(src_state_dict.get(n)) if me in src_ranks else None for n in plans}
+    problems += [_problem(plans[n], locals_[n], me, f" ({n!r})") for n in plans]
+    _agree(ranks, next((p for p in problems if p), ""), device, _fingerprint(*plans.values()))
     ops: list = []
-    posted = {n: _post(plans[n], locals_[n], me, device, ops) for n in plans}
+    with torch.no_grad():  # the sends snapshot what they read: the caller may go on
+        posted = {n: _post(plans[n], locals_[n], me, device, ops, group, async_op) for n in plans}
     requests = dist.batch_isend_irecv(ops) if ops else []
 
     def finish():
         if me not in dst_ranks:
             return None
-        return {n: _assemble(plans[n], locals_[n], me, *posted[n]) for n in plans}
+        with torch.no_grad():
+            return {n: _assemble(plans[n], me, *posted[n]) for n in plans}
 
-    handle = TransferHandle(requests, finish)
+    handle = TransferHandle(requests, finish, ops)
     return handle if async_op else handle.wait()
+
+
+def _side_problem(src_state_dict, dst_layouts, src_mesh, is_src: bool, is_dst: bool) -> str:
+    """What is wrong with this rank's side of a ``transfer_state_dict`` call ('' if nothing):
+    checked on every rank before the first exchange."""
+    from ._dtensor import DTensor
+    from ._placement import Placement
+
+    if is_src:
+        for name, t in src_state_dict.items():
+            if not isinstance(name, str):
+                return f"transfer_state_dict: src_state_dict key {name!r} is not a str"
+            if not isinstance(t, DTensor) or t.device_mesh != src_mesh:
+                return (
+                    f"transfer_state_dict: src_state_dict[{name!r}] is not a DTensor on "
+                    "src_mesh: distribute it there first"
+                )
+    if is_dst:
+        for name, pl in dst_layouts.items():
+            items = pl if isinstance(pl, (list, tuple)) else [pl]
+            if not isinstance(name, str) or not all(isinstance(p, Placement) for p in items):
+                return (
+                    f"transfer_state_dict: dst_layouts[{name!r}]={pl!r}: give a str key and a "
+                    "list of placements such as [Shard(1)]"
+                )
+    return ""

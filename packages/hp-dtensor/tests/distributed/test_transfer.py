@@ -223,3 +223,56 @@ def test_a_model_moves_from_fsdp_to_tensor_parallel_ranks(pool, async_op):
     res = pool.run(_move_tiny_llama, async_op)
     assert res[0] is None and res[1] is None
     assert res[2] < 1e-5 and res[3] < 1e-5, res
+
+
+def _review_cases():
+    me = dist.get_rank()
+    a3, b3 = _mesh("abc"), _mesh("bcd")
+    out = {}
+    # a Partial sum arriving replicated is the same bits on every destination rank
+    vals = {0: 1e8, 1: -1e8, 2: 1.0}
+    plan = hp.plan_transfer(a3, [Partial()], _mesh("rev"), [Replicate()], (4,), torch.float32)
+    got = plan.run(torch.full((4,), vals[me]) if me in a3.rank_list else None)
+    out["sum"] = got.to_local()[0].item()
+    # the ranks must hold the same plan: one of them planned other placements
+    dst_pl = [Replicate()] if me == 3 else [Shard(0)]
+    plan = hp.plan_transfer(a3, [Shard(0)], b3, dst_pl, (6,), torch.float32)
+    piece = torch.zeros(2) if me in a3.rank_list else None
+    try:
+        plan.run(piece)
+        out["mismatch"] = None
+    except ShardingError as e:
+        out["mismatch"] = "planned different transfers" in str(e)
+    # Partial('avg') is not a sum: refused, on every rank, by the state-dict path too
+    src = None
+    if me in (0, 1):
+        x = hp.DTensor.from_local(torch.ones(2), _mesh("ab"), [Partial("avg")])
+        src = {"w": x}
+    lay = {"w": [Replicate()]} if me in (2, 3) else None
+    try:
+        hp.transfer_state_dict(src, lay, src_mesh=_mesh("ab"), dst_mesh=_mesh("cd"))
+        out["avg"] = None
+    except hp.PlacementError as e:
+        out["avg"] = "Partial('sum')" in str(e)
+    # async: the sources may change right after the call returns
+    src = (
+        {"w": hp.distribute_tensor(torch.arange(4.0), _mesh("ab"), [Shard(0)])} if me < 2 else None
+    )
+    lay = {"w": [Replicate()]} if me >= 2 else None
+    handle = hp.transfer_state_dict(
+        src, lay, src_mesh=_mesh("ab"), dst_mesh=_mesh("cd"), async_op=True
+    )
+    if src is not None:
+        src["w"].to_local().add_(100)
+    res = handle.wait()
+    out["async"] = res["w"].to_local().tolist() if res is not None else None
+    return out
+
+
+def test_review_cases(pool):
+    res = pool.run(_review_cases)
+    sums = [r["sum"] for r in res]
+    assert len(set(sums)) == 1, sums  # bitwise the same on every destination
+    assert all(r["mismatch"] is True for r in res)
+    assert all(r["avg"] is True for r in res)
+    assert [r["async"] for r in res] == [None, None, [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from ..errors import BackendError
 
 __all__ = ["TorchPlatform"]
+
+_NAMING = threading.Lock()  # new_group swaps torch's group-naming function while it runs
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -106,17 +109,29 @@ class TorchPlatform:
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         key = tuple(int(r) for r in ranks)
         created = self.__dict__.setdefault("_created", {})
-        n = created[key] = created.get(key, -1) + 1
-        name = hashlib.sha1(f"hp_dtensor/{'_'.join(map(str, key))}/{n}".encode()).hexdigest()
         c10d = dist.distributed_c10d
-        hashed = getattr(c10d, "_hash_ranks_to_str", None)
-        if hashed is None:  # another torch: its own naming
+        if getattr(c10d, "_hash_ranks_to_str", None) is None:  # another torch: its own naming
             return dist.new_group(list(key), use_local_synchronization=True, **kw)
-        c10d._hash_ranks_to_str = lambda _ranks: name
-        try:
-            return dist.new_group(list(key), use_local_synchronization=True, **kw)
-        finally:
-            c10d._hash_ranks_to_str = hashed
+        with _NAMING:  # one renamed creation at a time; torch's function back afterwards
+            n = created.get(key, 0)
+            name = hashlib.sha1(f"hp_dtensor/{'_'.join(map(str, key))}/{n}".encode()).hexdigest()
+            hashed = c10d._hash_ranks_to_str
+
+            def ours(_ranks):
+                return name
+
+            c10d._hash_ranks_to_str = ours
+            try:
+                group = dist.new_group(list(key), use_local_synchronization=True, **kw)
+            finally:
+                if c10d._hash_ranks_to_str is ours:
+                    c10d._hash_ranks_to_str = hashed
+            created[key] = n + 1  # counted only once made, so a failed try is retried alike
+            return group
+
+    def forget_groups(self) -> None:
+        """The process groups were destroyed: names start afresh, as torch's do."""
+        self.__dict__.pop("_created", None)
 
     def group_ranks(self, group) -> list[int]:
         return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
