@@ -33,6 +33,7 @@ from hp_dtensor import (
     Shard,
     ShardingError,
 )
+from hp_dtensor._backend import COMMUNICATING_METHODS
 from hp_dtensor.parallel import (
     ColwiseParallel,
     ContextParallel,
@@ -559,15 +560,7 @@ CASES = [
 ]
 _BY_ID = by_id(CASES)
 
-_COLLECTIVES = (  # hp_dtensor's platform collectives: a row must raise before any of them
-    "all_gather_into",
-    "reduce_scatter_into",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "barrier",
-    "new_group",
-)
+_COLLECTIVES = COMMUNICATING_METHODS  # a row must raise before any of them
 
 
 @functools.cache

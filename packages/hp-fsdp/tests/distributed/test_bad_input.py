@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh as init_torch_mesh
 
 import hp_dtensor as hp
+from hp_dtensor._backend import COMMUNICATING_METHODS
 from hp_fsdp import (
     CPUOffloadPolicy,
     FSDPError,
@@ -252,15 +253,7 @@ CASES = [
 ]
 _BY_ID = by_id(CASES)
 
-_COLLECTIVES = (  # hp_dtensor's platform collectives: a row must raise before any of them
-    "all_gather_into",
-    "reduce_scatter_into",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "barrier",
-    "new_group",
-)
+_COLLECTIVES = COMMUNICATING_METHODS  # a row must raise before any of them
 
 
 @functools.cache

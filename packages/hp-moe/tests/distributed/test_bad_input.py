@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh as init_torch_mesh
 
 import hp_dtensor as hp
 from hp_dtensor import MeshError
+from hp_dtensor._backend import COMMUNICATING_METHODS
 from hp_dtensor.parallel import parallelize_module
 from hp_moe import (
     AllToAllDispatcher,
@@ -152,15 +153,7 @@ CASES = [
 ]
 _BY_ID = by_id(CASES)
 
-_COLLECTIVES = (  # hp_dtensor's platform collectives: a row must raise before any of them
-    "all_gather_into",
-    "reduce_scatter_into",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "barrier",
-    "new_group",
-)
+_COLLECTIVES = COMMUNICATING_METHODS  # a row must raise before any of them
 
 
 @functools.cache

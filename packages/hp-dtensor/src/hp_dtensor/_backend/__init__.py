@@ -19,12 +19,26 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import BackendError, HPDTensorTypeError
 
 __all__ = [
+    "COMMUNICATING_METHODS",
     "Platform",
     "available_platforms",
     "get_platform",
     "platform_class",
     "register_platform",
 ]
+
+
+#: the Platform methods that communicate (a check must raise before any of them runs; the
+#: bad-input tests count them)
+COMMUNICATING_METHODS = (
+    "all_gather_into",
+    "reduce_scatter_into",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "new_group",
+)
 
 
 @runtime_checkable
