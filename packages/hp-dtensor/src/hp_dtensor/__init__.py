@@ -8,6 +8,7 @@ initialisation. See the package README for an example.
 from ._backend import (
     Platform,
     available_platforms,
+    framework_of,
     get_platform,
     platform_class,
     register_platform,
@@ -35,7 +36,7 @@ from ._shard_api import DFunction, SkipDTensorDispatch, custom_shard, shard_modu
 from ._shard_math import chunk_size_and_offset, local_shape_and_offset
 from ._spec import DTensorSpec
 from ._transfer import Transfer, TransferPlan, plan_transfer
-from ._transfer_torch import TransferHandle, transfer_state_dict
+from ._transfer_run import TransferHandle, transfer_state_dict
 from .errors import (
     BackendError,
     ContextParallelError,
@@ -99,6 +100,7 @@ __all__ = [
     "destroy_process_group",
     "distribute_module",
     "distribute_tensor",
+    "framework_of",
     "get_backend",
     "get_group_local_rank",
     "get_platform",

@@ -10,6 +10,7 @@ import operator
 
 import torch.nn as nn
 
+from ._backend import framework_of
 from ._mesh import DeviceMesh
 from .errors import HPDTensorTypeError, PlacementError
 
@@ -37,7 +38,7 @@ def check_module(module, arg: str = "module", fn: str = "", *, cells: bool = Fal
     """``module`` must be a ``torch.nn.Module`` (or, with ``cells``, a MindSpore cell)."""
     if isinstance(module, nn.Module):
         return
-    if cells and any(c.__module__.startswith("mindspore") for c in type(module).__mro__):
+    if cells and framework_of(module) == "mindspore":
         return
     where = f"{fn}: " if fn else ""
     what = (

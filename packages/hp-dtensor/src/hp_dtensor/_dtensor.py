@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._backend import framework_of
 from ._checks import check_bool, check_callable, check_mesh, check_module, check_shape_stride
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -127,7 +128,7 @@ class DTensor(torch.Tensor):
         rank raises ``ShardingError``. Differentiable: the gradient reaching ``local_tensor`` is
         the local gradient (see NOTE [Gradient representation]).
         """
-        if not isinstance(local_tensor, torch.Tensor) and not _is_mindspore(local_tensor):
+        if not isinstance(local_tensor, torch.Tensor) and framework_of(local_tensor) != "mindspore":
             raise ShardingError(
                 f"local_tensor must be a plain torch.Tensor, got {type(local_tensor).__name__}"
             )
@@ -140,7 +141,7 @@ class DTensor(torch.Tensor):
             raise PlacementError("device_mesh is required: pass the DeviceMesh the tensor lives on")
         check_mesh(device_mesh, "device_mesh", "DTensor.from_local")
         shape, stride = check_shape_stride(shape, stride, len(local_tensor.shape))
-        if _is_mindspore(local_tensor):
+        if framework_of(local_tensor) == "mindspore":
             from ._backend._ms_dtensor import MSDTensor
 
             return MSDTensor.from_local(
@@ -719,13 +720,6 @@ def _check_from_local(local, mesh, placements, shape):
     return local, gshape
 
 
-def _is_mindspore(t) -> bool:
-    """A MindSpore tensor, told without importing MindSpore."""
-    if isinstance(t, torch.Tensor):
-        return False
-    return any(c.__module__.startswith("mindspore") for c in type(t).__mro__)
-
-
 def _check_torch_mesh(mesh, what: str) -> None:
     framework = getattr(mesh, "framework", "torch")
     if framework != "torch":
@@ -790,7 +784,7 @@ def distribute_tensor(
     """
     if isinstance(tensor, DTensor):
         raise ShardingError("tensor is already a DTensor: use redistribute() to change placements")
-    if not isinstance(tensor, torch.Tensor) and not _is_mindspore(tensor):
+    if not isinstance(tensor, torch.Tensor) and framework_of(tensor) != "mindspore":
         raise HPDTensorTypeError(
             f"distribute_tensor: tensor is a {type(tensor).__name__}, not a tensor: pass the "
             "whole torch.Tensor (e.g. torch.tensor(values))"
@@ -802,7 +796,7 @@ def distribute_tensor(
         device_mesh = _layout_mesh(device_mesh, tensor)
     check_mesh(device_mesh, "device_mesh", "distribute_tensor")
     _check_src_data_rank(src_data_rank, device_mesh)
-    if _is_mindspore(tensor):
+    if framework_of(tensor) == "mindspore":
         from ._backend._ms_dtensor import distribute_tensor as ms_distribute_tensor
 
         return ms_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)

@@ -12,8 +12,10 @@ import torch
 import torch.nn as nn
 
 from . import _dtensor
+from ._backend import framework_of
 from ._checks import check_bool, check_module
 from ._dtensor import DTensor, distribute_tensor
+from ._hooks import check_len, forward_hooks
 from ._layout import Layout
 from ._mesh import DeviceMesh, mesh_from_layout
 from ._placement import Placement
@@ -58,13 +60,6 @@ def _first_mesh(args) -> DeviceMesh | None:
         if isinstance(a, DTensor):
             return a.device_mesh
     return None
-
-
-def _check_len(values, layouts, arg):
-    if layouts is not None and len(layouts) != len(values):
-        raise LayoutError(
-            f"{arg} has {len(layouts)} entries for {len(values)} values: give one (or None) each"
-        )
 
 
 def _check_layouts(layouts, arg: str) -> None:
@@ -152,10 +147,8 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
     (optimizers and ``value_and_grad`` see them) and the cell's ``construct`` reads each as a
     DTensor over it, so it must compute with ``hp_dtensor.ms_ops`` (``mint`` on plain tensors).
     """
-    from .parallel._style import _is_ms_cell
-
     check_module(module, "module", "shard_module", cells=True)
-    if _is_ms_cell(module):
+    if framework_of(module) == "mindspore":
         from ._backend._ms_shard import shard_cell
 
         names = {n: p.ndim for n, p in module.parameters_and_names()}
@@ -179,40 +172,6 @@ def shard_module(module: nn.Module, sharding_plan: dict) -> nn.Module:
     if post is not None:
         module.register_forward_hook(post)
     return module
-
-
-def forward_hooks(fwd: dict, to_layout, to_local):
-    """The forward pre-hook and hook (None where the plan needs none) of a ``shard_module``
-    plan's ``"forward"`` entry, for either framework: ``to_layout(value, layout, arg)`` lays
-    one input or output out, ``to_local(value)`` unwraps a DTensor for ``use_local_output``."""
-    in_layouts = fwd.get("input")
-    out_layouts = fwd.get("output")
-    use_local = bool(fwd.get("use_local_output", False))
-    pre = post = None
-    if in_layouts is not None:
-        ins = tuple(in_layouts)
-
-        def pre(mod, args):
-            _check_len(args[: len(ins)], ins, "forward input layouts")
-            return tuple(
-                to_layout(a, ins[i], f"forward input {i}") if i < len(ins) else a
-                for i, a in enumerate(args)
-            )
-
-    if out_layouts is not None or use_local:
-        outs = tuple(out_layouts) if out_layouts is not None else None
-
-        def post(mod, args, out):
-            single = not isinstance(out, tuple)
-            items = (out,) if single else out
-            res = []
-            for i, o in enumerate(items):
-                lay = outs[i] if outs is not None and i < len(outs) else None
-                o = to_layout(o, lay, f"forward output {i}")
-                res.append(to_local(o) if use_local else o)
-            return res[0] if single else tuple(res)
-
-    return pre, post
 
 
 def custom_shard(
@@ -244,7 +203,7 @@ def custom_shard(
     out_layouts = tuple(out_layouts)
 
     def wrapper(*args):
-        _check_len(args, in_layouts, "in_layouts")
+        check_len(args, in_layouts, "in_layouts")
         mesh = _first_mesh(args)
         locals_ = []
         for i, (a, lay) in enumerate(zip(args, in_layouts)):
@@ -253,7 +212,7 @@ def custom_shard(
         out = fn(*locals_)
         single = not isinstance(out, (tuple, list))
         items = (out,) if single else tuple(out)
-        _check_len(items, out_layouts, "out_layouts")
+        check_len(items, out_layouts, "out_layouts")
         res = [
             _to_layout(o, lay, mesh=mesh, arg=f"out_layouts[{i}]") if lay is not None else o
             for i, (o, lay) in enumerate(zip(items, out_layouts))
@@ -303,7 +262,7 @@ class DFunction(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args):  # type: ignore[override]
-        _check_len(args, cls.in_layouts, f"{cls.__name__}.in_layouts")
+        check_len(args, cls.in_layouts, f"{cls.__name__}.in_layouts")
         mesh = _first_mesh(args)
         locals_ = []
         specs = []
@@ -333,7 +292,7 @@ class DFunction(torch.autograd.Function):
         out = super().apply(*locals_)
         single = not isinstance(out, (tuple, list))
         items = (out,) if single else tuple(out)
-        _check_len(items, cls.out_layouts, f"{cls.__name__}.out_layouts")
+        check_len(items, cls.out_layouts, f"{cls.__name__}.out_layouts")
         res = [
             _to_layout(o, lay, mesh=mesh, arg=f"{cls.__name__}.out_layouts[{i}]")
             if lay is not None

@@ -12,7 +12,7 @@ over a mesh dimension) send every contribution, which the destination adds up: t
 happens on the way. Destinations cannot be Partial.
 
 The plan is a value: the same on every rank, cached, printable. Running it (``TransferPlan.run``)
-is the framework binding's business (``_transfer_torch``).
+goes through the mesh's platform (``_transfer_run``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class TransferPlan:
     def run(self, local):
         """Move the tensor: every rank of either mesh calls it; ranks of the source pass their
         local piece, the others None. Destination ranks get their DTensor, the others None."""
-        from ._transfer_torch import run_transfer
+        from ._transfer_run import run_transfer
 
         return run_transfer(self, local)
 

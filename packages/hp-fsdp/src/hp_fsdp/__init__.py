@@ -2,8 +2,6 @@
 
 from ._api import (
     CPUOffloadPolicy,
-    FSDPError,
-    FSDPTypeError,
     HSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
@@ -12,6 +10,7 @@ from ._api import (
     load_full_state_dict,
     parallelize_value_and_grad,
 )
+from .errors import FSDPError, FSDPTypeError
 
 __version__ = "0.1.0"
 

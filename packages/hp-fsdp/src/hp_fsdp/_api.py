@@ -25,11 +25,10 @@ from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
 from ._group import ParamGroup
 from ._param import tp_dp_grid
 from ._state import reduce_now
+from .errors import FSDPError, FSDPTypeError
 
 __all__ = [
     "CPUOffloadPolicy",
-    "FSDPError",
-    "FSDPTypeError",
     "HSDPModule",
     "MixedPrecisionPolicy",
     "fully_shard",
@@ -37,16 +36,6 @@ __all__ = [
     "get_full_state_dict",
     "load_full_state_dict",
 ]
-
-
-class FSDPError(ValueError):
-    """A ``fully_shard`` call that cannot work; the message names the argument and the fix."""
-
-
-class FSDPTypeError(FSDPError, TypeError):
-    """An argument of the wrong type (a str where a ``DeviceMesh`` is expected, a dtype where a
-    ``MixedPrecisionPolicy`` is...); also a ``TypeError``. The message names the argument and
-    the type to pass."""
 
 
 def _check_bool(value, arg: str) -> None:
@@ -275,7 +264,7 @@ def fully_shard(
     )
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()
-    if _is_ms_cell(module):
+    if hp.framework_of(module) == "mindspore":
         from ._backend._mindspore import fully_shard_cell
 
         return fully_shard_cell(
@@ -422,7 +411,7 @@ def fully_shard(
 def _check_args(module, mesh, shard_placement_fn, mp_policy, offload_policy, ignored_params):
     """The types of ``fully_shard``'s arguments, checked before anything else happens;
     returns ``ignored_params`` as a list (None stays None), so an iterator is read once."""
-    if not isinstance(module, nn.Module) and not _is_ms_cell(module):
+    if not isinstance(module, nn.Module) and hp.framework_of(module) != "mindspore":
         what = (
             f"the class {module.__name__}, not an instance"
             if isinstance(module, type)
@@ -466,13 +455,6 @@ def _check_args(module, mesh, shard_placement_fn, mp_policy, offload_policy, ign
                     "parameters themselves (module.weight), not their names"
                 )
     return ignored_params
-
-
-def _is_ms_cell(module) -> bool:
-    """A MindSpore ``nn.Cell``, told without importing MindSpore."""
-    if isinstance(module, nn.Module):
-        return False
-    return any(c.__module__.startswith("mindspore") for c in type(module).__mro__)
 
 
 def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=False):

@@ -86,10 +86,13 @@ def run_mindspore(
     return out
 
 
-def run_framework(framework: str, request, tmp_path, func, *args, pool: str = "pool2") -> list:
-    """Run ``func(*args)``, a module-level function of the calling test's module, on 2 ranks of
-    ``framework``: ``"torch"`` on the gloo ranks of the ``pool`` fixture, ``"mindspore"`` on
-    msrun workers (the test is skipped where MindSpore is not installed). Every rank's result,
+def run_framework(
+    framework: str, request, tmp_path, func, *args, pool: str = "pool2", workers: int = 2
+) -> list:
+    """Run ``func(*args)``, a module-level function of the calling test's module, on the ranks
+    of ``framework``: ``"torch"`` on the gloo ranks of the ``pool`` fixture, ``"mindspore"`` on
+    ``workers`` msrun workers (give the pool's size; the test is skipped where MindSpore is not
+    installed). Every rank's result,
     in rank order."""
     import importlib.util
 
@@ -98,7 +101,9 @@ def run_framework(framework: str, request, tmp_path, func, *args, pool: str = "p
     if framework == "mindspore":
         if importlib.util.find_spec("mindspore") is None:
             pytest.skip("MindSpore is not installed (nox -s tests_mindspore)")
-        return run_mindspore(tmp_path, request.module.__file__, func.__name__, *args)
+        return run_mindspore(
+            tmp_path, request.module.__file__, func.__name__, *args, workers=workers
+        )
     if framework != "torch":
         raise ValueError(f"framework={framework!r}: give 'torch' or 'mindspore'")
     return request.getfixturevalue(pool).run(func, *args)

@@ -8,12 +8,17 @@ MindSpore implementation plugs in under the name ``"mindspore"``.
 Selection is explicit and lazy: ``get_platform(device_type)`` picks by the mesh's device type
 unless the ``HP_BACKEND`` environment variable names a backend; nothing is imported or patched
 until a platform is first asked for, and frameworks are never tried in turn.
+
+Which framework an argument belongs to is decided here too, once: ``framework_of`` is the
+check every front end (parallel styles, ``shard_module``, ``DTensor``, hp-fsdp's
+``fully_shard``) asks before handing an object to the binding of its framework.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import BackendError, HPDTensorTypeError
@@ -22,6 +27,7 @@ __all__ = [
     "COMMUNICATING_METHODS",
     "Platform",
     "available_platforms",
+    "framework_of",
     "get_platform",
     "platform_class",
     "register_platform",
@@ -38,6 +44,7 @@ COMMUNICATING_METHODS = (
     "broadcast",
     "barrier",
     "new_group",
+    "batch_p2p",
 )
 
 
@@ -89,6 +96,15 @@ class Platform(Protocol):
     ) -> Any: ...
     def broadcast(self, t: Any, src: int, group: Any, async_op: bool = False) -> Any: ...
     def barrier(self, group: Any = None) -> None: ...
+    def batch_p2p(
+        self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], group: Any
+    ) -> list[Any]:
+        """Post point-to-point sends ``(tensor, peer)`` and receives ``(tensor, peer)`` (peers
+        are global ranks of ``group``) as one batch; a list of handles to ``wait()`` on. The
+        receives land in their tensors. Messages between the same two ranks in the same
+        direction match in list order, so every rank lists its exchanges in one agreed order
+        (a plan's). Frameworks without point-to-point kernels may build them from two-rank
+        collectives run in that order."""
 
     # tensor factories ------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
@@ -105,11 +121,55 @@ class Platform(Protocol):
     def clone(self, t: Any) -> Any:
         """A copy of ``t`` with its own storage."""
 
+    #: whether ``t[index]`` is a view of ``t`` (torch) rather than a copy (MindSpore): a
+    #: receive may then land in a slice of its destination without a buffer
+    slices_are_views: bool
+
+    def tensor_device_type(self, obj: Any) -> str | None:
+        """The device type of ``obj`` if it is a tensor of this framework, else None."""
+
+    def from_numpy(self, array: Any, device: Any) -> Any:
+        """A tensor with ``array``'s values and dtype on ``device`` (small metadata only)."""
+
+    def to_numpy(self, t: Any) -> Any:
+        """``t``'s values as a numpy array (on the host; small metadata only)."""
+
+    def dtype_problem(self, dtype: Any, device_type: str) -> str:
+        """Why tensors of ``dtype`` cannot be moved point to point on ``device_type`` here
+        ('' if they can): checked on every rank before a transfer starts."""
+
+    def dtype_from_name(self, name: str) -> Any:
+        """The dtype called ``name`` (``"float32"``, ``"bfloat16"``), or None if it names none:
+        dtypes read from metadata are looked up, never evaluated."""
+
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device: Any) -> Any: ...
     def current_stream(self, device: Any) -> Any: ...
     def new_event(self, device: Any) -> Any: ...
     def synchronize(self, device: Any) -> None: ...
+
+
+def framework_of(obj: Any) -> str | None:
+    """The framework whose tensor, module or cell ``obj`` is: ``"torch"``, ``"mindspore"``
+    (the names of ``Platform.framework``), or None for anything else.
+
+    This is the one place that tells frameworks apart; it imports none of them. A torch object
+    exists only once torch is imported, so torch's classes are checked only then; a MindSpore
+    object is one whose class, or a base class, comes from a ``mindspore`` module.
+
+    Example::
+
+        framework_of(torch.nn.Linear(2, 2))  # "torch"
+        framework_of(mindspore.nn.Dense(2, 2))  # "mindspore"
+        framework_of([1, 2])  # None
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return "torch"
+    for cls in type(obj).__mro__:
+        if (getattr(cls, "__module__", None) or "").partition(".")[0] == "mindspore":
+            return "mindspore"
+    return None
 
 
 # name -> "module:attribute"; plugins add entries with register_platform.

@@ -6,15 +6,15 @@ it); importing it without MindSpore raises ``ImportError``, which ``get_platform
 message naming the package to install.
 
 MindSpore on CPU has all-reduce (sum only), all-gather, broadcast and barrier but no
-reduce-scatter, all-to-all or point-to-point kernels: there reduce-scatter, all-to-all and the
-max/min all-reduce are built from all-reduce and all-gather (correct, more traffic); on Ascend
-the native operators run. Groups are MindSpore
+reduce-scatter, all-to-all or point-to-point kernels, and its all-gather and broadcast serve
+the world group only: there reduce-scatter, all-to-all and the max/min all-reduce are built
+from all-reduce and all-gather, all-gather and broadcast in smaller groups from an all-reduce
+of zero-padded values, and point-to-point messages from broadcasts in two-rank groups
+(correct, more traffic); on Ascend the native operators run. Groups are MindSpore
 group names (strings); ``None`` means the world group.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import mindspore as ms
 import numpy as np
@@ -24,8 +24,6 @@ from mindspore import ops
 from ..errors import BackendError
 
 __all__ = ["MindSporePlatform"]
-
-_names = itertools.count()
 
 
 class _Done:
@@ -104,7 +102,9 @@ class MindSporePlatform:
             return None
         name = self._groups.get(ranks)
         if name is None:
-            name = f"hp_group_{next(_names)}_{'_'.join(map(str, ranks))}"
+            # named by the ranks alone: members that made different numbers of other groups
+            # (meshes over overlapping rank sets) still meet under one name
+            name = f"hp_group_{'_'.join(map(str, ranks))}"
             if comm.get_rank() in ranks:
                 comm.create_group(name, list(ranks))
             self._groups[ranks] = name
@@ -122,6 +122,31 @@ class MindSporePlatform:
     # collectives ----------------------------------------------------------------------------
     _REDUCE = {"sum": "sum", "max": "max", "min": "min", "avg": "sum"}
 
+    def _gather(self, t, group):
+        """Every rank's ``t`` stacked along dim 0. On CPU MindSpore's all-gather serves the
+        world group only: in a smaller group each rank writes its block into zeros and the
+        blocks are summed (exact: every element is one value plus zeros)."""
+        if group is None or _ascend():
+            return ops.AllGather(group=self._group(group))(t)
+        n, r = self.get_world_size(group), self.get_rank(group)
+        parts = [t if p == r else ops.zeros(tuple(t.shape), t.dtype) for p in range(n)]
+        return self._copy_sum(ops.concat(parts, axis=0), group)
+
+    @staticmethod
+    def _copy_sum(t, group):
+        """The all-reduce sum of tensors in which each element is nonzero on one rank at most:
+        a copy from that rank. CPU all-reduce takes float32 only: other dtypes travel as their
+        bytes, each byte a float32 (exact), and come back bit for bit (float32 goes as it is:
+        exact too, but a -0.0 arrives as 0.0)."""
+        group = comm.GlobalComm.WORLD_COMM_GROUP if group is None else group
+        if t.dtype == ms.float32:
+            return ops.AllReduce(op=ops.ReduceOp.SUM, group=group)(t)
+        a = t.asnumpy()
+        data = np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=np.uint8)
+        summed = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)(ms.Tensor(data.astype(np.float32)))
+        raw = np.rint(summed.asnumpy()).astype(np.uint8).tobytes()
+        return ms.Tensor(np.frombuffer(raw, dtype=a.dtype).reshape(a.shape))
+
     def _all_reduce_value(self, t, op: str, group):
         if op not in self._REDUCE:
             raise BackendError(
@@ -130,7 +155,7 @@ class MindSporePlatform:
         red = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
         if op in ("max", "min") and not _ascend():
             # CPU all-reduce sums only: gather every rank's tensor and reduce here
-            stacked = ops.AllGather(group=self._group(group))(t.reshape((1, *t.shape)))
+            stacked = self._gather(t.reshape((1, *t.shape)), group)
             return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
         out = ops.AllReduce(op=red[self._REDUCE[op]], group=self._group(group))(t)
         if op == "avg":
@@ -138,7 +163,7 @@ class MindSporePlatform:
         return out
 
     def all_gather_into(self, out, inp, group, async_op=False):
-        _into(out, ops.AllGather(group=self._group(group))(inp))
+        _into(out, self._gather(inp, group))
         return _Done() if async_op else None
 
     def reduce_scatter_into(self, out, inp, op, group, async_op=False):
@@ -166,15 +191,15 @@ class MindSporePlatform:
         r = self.get_rank(group)
         in_splits = list(in_splits) if in_splits else [inp.shape[0] // n] * n
         out_splits = list(out_splits) if out_splits else [out.shape[0] // n] * n
-        sizes = ops.AllGather(group=self._group(group))(
-            ms.Tensor(np.array([in_splits], dtype=np.int64))
+        sizes = self._gather(
+            ms.Tensor(np.array([in_splits], dtype=np.int64)), group
         ).asnumpy()  # [n, n]: sizes[p][q] rows p sends to q
         rows = int(sizes.sum(axis=1).max())
         pad = rows - inp.shape[0]
         x = inp
         if pad:
             x = ops.concat([inp, ops.zeros((pad, *inp.shape[1:]), inp.dtype)], axis=0)
-        everyone = ops.AllGather(group=self._group(group))(x)  # [n * rows, ...]
+        everyone = self._gather(x, group)  # [n * rows, ...]
         pieces = []
         for p in range(n):
             start = p * rows + int(sizes[p][:r].sum())
@@ -193,6 +218,14 @@ class MindSporePlatform:
     def broadcast(self, t, src, group, async_op=False):
         ranks = self.group_ranks(group)
         root = ranks.index(src) if group is not None else src
+        if not _ascend() and (group is not None or t.dtype not in (ms.float32, ms.int32)):
+            # CPU broadcasts float32 and int32 in the world group only: elsewhere the others
+            # add zeros to the root's
+            if self.get_rank() == src:  # the root keeps its tensor as it is
+                self._copy_sum(t, group)
+            else:
+                _into(t, self._copy_sum(ops.zeros(tuple(t.shape), t.dtype), group))
+            return _Done() if async_op else None
         (value,) = ops.Broadcast(root, group=self._group(group))((t,))
         _into(t, value)
         return _Done() if async_op else None
@@ -201,6 +234,38 @@ class MindSporePlatform:
         from mindspore import mint
 
         mint.distributed.barrier(group=self._group(group))
+
+    def batch_p2p(self, sends, recvs, group):
+        """MindSpore has no point-to-point kernels on CPU: each message is a broadcast in the
+        group of its two ranks. Every rank runs its messages in one order all agree on
+        (sender, receiver, position among that pair's messages), so the earliest unfinished
+        message always has both of its ranks waiting on it and none waits forever. (Ascend's
+        Send/Receive are not used yet: this path is the one tested.)"""
+        me = self.get_rank()
+        count: dict[tuple[int, int], int] = {}
+        ordered = []
+        for sending, items in ((True, sends), (False, recvs)):
+            for t, peer in items:
+                pair = (me, int(peer)) if sending else (int(peer), me)
+                k = count.get(pair, 0)
+                count[pair] = k + 1
+                ordered.append(((*pair, k), t))
+        ordered.sort(key=lambda item: item[0])
+        for (src, dst, _), t in ordered:
+            self.broadcast(t, src, self._pair_group(src, dst))
+        return [_Done()]
+
+    def _pair_group(self, a: int, b: int):
+        """The group of ranks ``a`` and ``b``, made by them alone when first needed and named
+        by them alone (the other ranks never hear of it)."""
+        ranks = tuple(sorted((a, b)))
+        if len(ranks) == self.get_world_size():
+            return None
+        name = f"hp_pair_{ranks[0]}_{ranks[1]}"
+        if name not in self._ranks:
+            comm.create_group(name, list(ranks))
+            self._ranks[name] = list(ranks)
+        return name
 
     # tensor factories ------------------------------------------------------------------------
     def empty(self, shape, dtype, device):
@@ -216,6 +281,29 @@ class MindSporePlatform:
         # Tensor.clone has no CPU kernel in MindSpore 2.10, assign_value would share storage
         # and copy_ refuses a view of a larger buffer
         return ops.deepcopy(t)
+
+    slices_are_views = False  # t[index] is a new tensor
+
+    def tensor_device_type(self, obj):
+        return self.default_device_type() if isinstance(obj, ms.Tensor) else None
+
+    def from_numpy(self, array, device):
+        return ms.Tensor(np.ascontiguousarray(array))
+
+    def to_numpy(self, t):
+        return t.asnumpy()
+
+    def dtype_problem(self, dtype, device_type):
+        if device_type == "cpu" and dtype in (ms.bfloat16, ms.float16):
+            return (
+                f"MindSpore on CPU has no kernels to copy {dtype} slices (setitem, deepcopy): "
+                "cast the tensors to float32 for the move, and back"
+            )
+        return ""
+
+    def dtype_from_name(self, name):
+        value = getattr(ms, name, None) if name.isidentifier() else None
+        return value if isinstance(value, ms.dtype.Type) else None
 
     # streams and events: MindSpore's runtime streams on a device (Ascend, GPU); on CPU it has
     # none (ms.runtime.Stream raises there) and orders work itself: None --------------------------

@@ -203,8 +203,18 @@ class MSDTensor:
         return self._local
 
     def redistribute(self, device_mesh=None, placements: Sequence[Placement] | None = None):
-        """The same global tensor with other placements (differentiable)."""
+        """The same global tensor with other placements (differentiable), on its own mesh:
+        another mesh is refused (use ``plan_transfer(...).run``)."""
         spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            from .._checks import check_mesh
+
+            check_mesh(device_mesh, "device_mesh", "redistribute")
+            raise ShardingError(
+                f"redistribute: device_mesh={device_mesh} is another mesh: on MindSpore, move "
+                "the tensor with hp_dtensor.plan_transfer(...).run(local) (not differentiable "
+                "yet) or transfer_state_dict"
+            )
         placements = redistribute_target(spec, device_mesh, placements)
         mesh = spec.mesh
         target = spec.with_placements(placements)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn
 
+from .._hooks import input_hook, output_hook
 from .._placement import Partial, Replicate, Shard
 from ..errors import HPDTensorTypeError, PlacementError
-from ..parallel._style import input_hook, output_hook
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
 __all__ = [

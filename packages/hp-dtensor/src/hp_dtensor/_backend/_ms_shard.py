@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import mindspore as ms
 
+from .._hooks import forward_hooks
 from .._layout import Layout
 from .._mesh import mesh_from_layout
-from .._shard_api import forward_hooks
 from ..errors import LayoutError, MeshError
 from ._ms_dtensor import MSDTensor, distribute_tensor
 

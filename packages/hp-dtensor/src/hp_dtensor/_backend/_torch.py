@@ -168,6 +168,11 @@ class TorchPlatform:
     def barrier(self, group=None) -> None:
         dist.barrier(group)
 
+    def batch_p2p(self, sends, recvs, group):
+        ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
     # tensor factories ------------------------------------------------------------------------
     def empty(self, shape, dtype, device):
         return torch.empty(shape, dtype=dtype, device=device)
@@ -180,6 +185,24 @@ class TorchPlatform:
 
     def clone(self, t):
         return t.clone()
+
+    slices_are_views = True
+
+    def tensor_device_type(self, obj):
+        return obj.device.type if isinstance(obj, torch.Tensor) else None
+
+    def from_numpy(self, array, device):
+        return torch.from_numpy(array.copy()).to(device)
+
+    def to_numpy(self, t):
+        return t.detach().cpu().numpy()
+
+    def dtype_problem(self, dtype, device_type):
+        return ""
+
+    def dtype_from_name(self, name):
+        value = getattr(torch, name, None) if name.isidentifier() else None
+        return value if isinstance(value, torch.dtype) else None
 
     # streams and events ------------------------------------------------------------------
     def new_stream(self, device):

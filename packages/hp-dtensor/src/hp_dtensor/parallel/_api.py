@@ -7,6 +7,7 @@ import fnmatch
 
 import torch.nn as nn
 
+from .._backend import framework_of
 from .._checks import check_mesh, check_module
 from .._mesh import DeviceMesh
 from ..errors import HPDTensorTypeError, MeshError, PlacementError
@@ -54,10 +55,10 @@ def parallelize_module(
             f"parallelize_plan must be a ParallelStyle or a dict of path -> style, got "
             f"{parallelize_plan!r}{hint}"
         )
-    if hasattr(module, "named_modules"):
-        named = module.named_modules()
-    else:  # a MindSpore cell
+    if framework_of(module) == "mindspore":
         named = module.cells_and_names()
+    else:
+        named = module.named_modules()
     names = {name: mod for name, mod in named if name}
     todo: list[tuple[str, nn.Module, ParallelStyle]] = []
     for key, style in parallelize_plan.items():

@@ -13,8 +13,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._backend import framework_of
 from .._checks import check_bool
 from .._dtensor import DTensor, distribute_tensor
+from .._hooks import as_tuple, input_hook, output_hook
 from .._mesh import DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard
 from ..errors import HPDTensorTypeError, MeshError, PlacementError
@@ -45,7 +47,7 @@ class ParallelStyle:
 
 
 def _mesh_matches(module, mesh: DeviceMesh, style: str, path: str) -> None:
-    framework = "mindspore" if _is_ms_cell(module) else "torch"
+    framework = framework_of(module) or "torch"
     if getattr(mesh, "framework", "torch") != framework:
         raise MeshError(
             f"{style}: {path or type(module).__name__} is a {framework} "
@@ -54,11 +56,14 @@ def _mesh_matches(module, mesh: DeviceMesh, style: str, path: str) -> None:
         )
 
 
-def _ms_style(name: str):
-    """The MindSpore binding's implementation ``name`` (imported only for cells)."""
+def _ms_binding(module):
+    """The MindSpore binding of the styles (``hp_dtensor._backend._ms_parallel``, imported
+    only then) when ``module`` is a MindSpore cell; None for torch modules."""
+    if framework_of(module) != "mindspore":
+        return None
     from .._backend import _ms_parallel
 
-    return getattr(_ms_parallel, name)
+    return _ms_parallel
 
 
 def _one_d(mesh: DeviceMesh, style: str) -> None:
@@ -144,13 +149,6 @@ def _replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     for name, p in list(module.named_parameters(recurse=False)):
         if not isinstance(p, DTensor):
             _distribute_param(module, name, mesh, Replicate())
-
-
-def _is_ms_cell(module) -> bool:
-    """A MindSpore ``nn.Cell``, told without importing MindSpore."""
-    if isinstance(module, nn.Module):
-        return False
-    return any(c.__module__.startswith("mindspore") for c in type(module).__mro__)
 
 
 @dataclass(frozen=True)
@@ -250,8 +248,9 @@ class _Linearish(ParallelStyle):
                 f"{type(self).__name__}: collective_matmul applies to torch nn.Linear, not "
                 f"{path!r} ({type(module).__name__}): leave it None for this module"
             )
-        if _is_ms_cell(module):
-            _ms_style("validate_linear_style")(self, module, device_mesh, path, self._kind)
+        ms = _ms_binding(module)
+        if ms is not None:
+            ms.validate_linear_style(self, module, device_mesh, path, self._kind)
             return
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise HPDTensorTypeError(
@@ -260,10 +259,9 @@ class _Linearish(ParallelStyle):
             )
 
     def apply(self, module, device_mesh):
-        if _is_ms_cell(module):
-            from .._backend._ms_parallel import apply_linear_style
-
-            return apply_linear_style(self, module, device_mesh, self._kind)
+        ms = _ms_binding(module)
+        if ms is not None:
+            return ms.apply_linear_style(self, module, device_mesh, self._kind)
         self.validate(module, device_mesh, type(module).__name__)
         w_pl, b_pl, desired_in, default_in, default_out = self._plan(module)
         _distribute_param(module, "weight", device_mesh, w_pl)
@@ -359,8 +357,9 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
-        if _is_ms_cell(module):
-            return _ms_style("apply_sequence_parallel")(self, module, device_mesh)
+        ms = _ms_binding(module)
+        if ms is not None:
+            return ms.apply_sequence_parallel(self, module, device_mesh)
         for sub in module.modules():  # sub-modules' parameters too (a norm inside a wrapper)
             _replicate_rest(sub, device_mesh)
         seq = Shard(self.sequence_dim)
@@ -375,48 +374,6 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
-
-
-def _tuple(x):
-    if x is None:
-        return None
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def input_hook(style, convert):
-    """``PrepareModuleInput``'s forward pre-hook (with keyword inputs), for either framework:
-    ``convert(value, layout, desired)`` handles one annotated input."""
-    ins = _tuple(style.input_layouts) or ()
-    des = _tuple(style.desired_input_layouts) or (None,) * len(ins)
-    kw_in = dict(style.input_kwarg_layouts or {})
-    kw_des = dict(style.desired_input_kwarg_layouts or {})
-
-    def pre(mod, args, kwargs):
-        new_args = tuple(
-            convert(a, ins[i], des[i]) if i < len(ins) else a for i, a in enumerate(args)
-        )
-        new_kwargs = {
-            k: convert(v, kw_in.get(k), kw_des.get(k)) if k in kw_in else v
-            for k, v in kwargs.items()
-        }
-        return new_args, new_kwargs
-
-    return pre
-
-
-def output_hook(style, convert):
-    """``PrepareModuleOutput``'s forward hook, for either framework: ``convert(value, layout,
-    desired)`` handles one annotated output (and leaves non-tensors alone)."""
-    outs = _tuple(style.output_layouts) or ()
-    des = _tuple(style.desired_output_layouts) or (None,) * len(outs)
-
-    def post(mod, inputs, out):
-        single = not isinstance(out, tuple)
-        items = (out,) if single else out
-        res = [convert(o, outs[i], des[i]) if i < len(outs) else o for i, o in enumerate(items)]
-        return res[0] if single else tuple(res)
-
-    return post
 
 
 @dataclass(frozen=True)
@@ -440,7 +397,7 @@ class PrepareModuleInput(ParallelStyle):
     def validate(self, module, device_mesh, path):
         _mesh_matches(module, device_mesh, "PrepareModuleInput", path)
         _one_d(device_mesh, "PrepareModuleInput")
-        ins, des = _tuple(self.input_layouts), _tuple(self.desired_input_layouts)
+        ins, des = as_tuple(self.input_layouts), as_tuple(self.desired_input_layouts)
         if ins is not None and des is not None and len(ins) != len(des):
             raise PlacementError(
                 f"input_layouts has {len(ins)} entries but desired_input_layouts {len(des)} "
@@ -449,8 +406,9 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
-        if _is_ms_cell(module):
-            return _ms_style("apply_prepare_input")(self, module, device_mesh)
+        ms = _ms_binding(module)
+        if ms is not None:
+            return ms.apply_prepare_input(self, module, device_mesh)
         use_local = self.use_local_output
 
         def convert(x, layout, desired):
@@ -479,7 +437,7 @@ class PrepareModuleOutput(ParallelStyle):
     def validate(self, module, device_mesh, path):
         _mesh_matches(module, device_mesh, "PrepareModuleOutput", path)
         _one_d(device_mesh, "PrepareModuleOutput")
-        outs, des = _tuple(self.output_layouts), _tuple(self.desired_output_layouts)
+        outs, des = as_tuple(self.output_layouts), as_tuple(self.desired_output_layouts)
         if outs is not None and des is not None and len(outs) != len(des):
             raise PlacementError(
                 f"output_layouts has {len(outs)} entries but desired_output_layouts {len(des)} "
@@ -488,8 +446,9 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module, device_mesh):
         self.validate(module, device_mesh, type(module).__name__)
-        if _is_ms_cell(module):
-            return _ms_style("apply_prepare_output")(self, module, device_mesh)
+        ms = _ms_binding(module)
+        if ms is not None:
+            return ms.apply_prepare_output(self, module, device_mesh)
         use_local = self.use_local_output
 
         def convert(o, layout, desired):

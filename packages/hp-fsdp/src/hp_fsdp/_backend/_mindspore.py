@@ -40,6 +40,8 @@ from mindspore.common.initializer import Zero
 
 from hp_dtensor import chunk_size_and_offset, get_platform
 
+from ..errors import FSDPError
+
 __all__ = ["MSParamGroup", "fully_shard_cell", "parallelize_value_and_grad"]
 
 # every group, in creation order (the order every rank reduces in); a group lives as long as
@@ -196,8 +198,6 @@ class MSHSDPCell:
 
 def fully_shard_cell(cell, *, mesh, **unsupported):
     """``fully_shard`` for a MindSpore cell (see the module docstring)."""
-    from .._api import FSDPError
-
     for name, value in unsupported.items():
         if value is not None:
             raise FSDPError(
@@ -256,8 +256,6 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
     the returned function gives ``(value, grads)`` with the gradients of ``weights`` (the
     cells' parameters, i.e. this rank's shards) reduced to this rank's shards (see the module
     docstring), ready for the optimizer."""
-    from .._api import FSDPError
-
     if weights is None and grad_position is None:
         raise FSDPError(
             "parallelize_value_and_grad: give weights= (the cells' parameters) and/or "
