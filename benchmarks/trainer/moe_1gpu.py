@@ -9,6 +9,7 @@ SDPA attention; ``--hf-experts eager`` runs its per-expert loop instead. Target 
 
     python benchmarks/trainer/moe_1gpu.py --device cuda --model deepseek-v3-1b --batch 4 \\
         --seq 2048 --steps 30
+    python benchmarks/trainer/moe_1gpu.py ... --compile  # both compiled per block
     python benchmarks/trainer/moe_1gpu.py              # a tiny CPU run (nox -s bench)
 """
 
@@ -68,6 +69,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--hf-experts", default="grouped_mm", choices=["grouped_mm", "eager"])
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile both models' blocks (torch.compile per block, MoE layers left eager: "
+        "hp_trainer's training.compile, and the same regional compile of transformers' layers)",
+    )
     args = ap.parse_args()
     import transformers
 
@@ -91,6 +98,14 @@ def main() -> int:
     hf = hf.to(dev)
     ours.train()
     hf.train()
+    if args.compile:
+        from hp_trainer._parallelize import apply_compile
+
+        apply_compile(ours)
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "experts"):  # its routed experts change shapes every step
+                layer.mlp.forward = torch.compiler.disable(layer.mlp.forward)
+            layer.forward = torch.compile(layer.forward)
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.steps):
@@ -114,6 +129,7 @@ def main() -> int:
         f"{cfg.num_params(active=True) / 1e9:.2f}B active; batch {args.batch} x {args.seq}, bf16, "
         f"{dev}, torch {torch.__version__}, transformers {transformers.__version__} "
         f"(experts_implementation={args.hf_experts})"
+        + (", blocks compiled" if args.compile else "")
         + (f", {torch.cuda.get_device_name()}" if dev.type == "cuda" else "")
     )
     print("| impl | ms/step (median) | tokens/s | MFU | peak GiB | first loss | last loss |")
