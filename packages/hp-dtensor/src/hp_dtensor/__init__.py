@@ -25,6 +25,7 @@ from ._groups import (
     split_group,
 )
 from ._init import init_empty_weights, init_on_device, init_parameters
+from ._json_comm import all_gather_json, broadcast_json
 from ._layout import Layout
 from ._mesh import DeviceMesh, init_device_mesh, mesh_from_layout
 from ._placement import Partial, Placement, Replicate, Shard
@@ -72,8 +73,8 @@ def __getattr__(name: str):
 __all__ = [
     "BackendError",
     "Call",
-    "DFunction",
     "ContextParallelError",
+    "DFunction",
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
@@ -84,8 +85,8 @@ __all__ = [
     "MeshError",
     "Partial",
     "Placement",
-    "Platform",
     "PlacementError",
+    "Platform",
     "RedistributePlan",
     "Replicate",
     "Shard",
@@ -94,7 +95,12 @@ __all__ = [
     "Step",
     "Strategy",
     "TensorMeta",
+    "Transfer",
+    "TransferHandle",
+    "TransferPlan",
+    "all_gather_json",
     "available_platforms",
+    "broadcast_json",
     "chunk_size_and_offset",
     "custom_shard",
     "destroy_process_group",
@@ -112,15 +118,11 @@ __all__ = [
     "init_process_group",
     "local_shape_and_offset",
     "manual_seed",
-    "mesh_from_layout",
     "mark_created_groups",
-    "plan_transfer",
-    "transfer_state_dict",
-    "Transfer",
-    "TransferHandle",
-    "TransferPlan",
+    "mesh_from_layout",
     "new_group",
     "plan_redistribute",
+    "plan_transfer",
     "platform_class",
     "register_platform",
     "register_sharding_rule",
@@ -128,4 +130,5 @@ __all__ = [
     "rotary_position_embedding",
     "shard_module",
     "split_group",
+    "transfer_state_dict",
 ]

@@ -11,7 +11,6 @@ only, for now: MindSpore's DTensor refuses another mesh in ``redistribute``)."""
 from __future__ import annotations
 
 import hashlib
-import json
 
 import numpy as np
 
@@ -292,16 +291,9 @@ def _dtype(platform, name: str):
 
 
 def _broadcast_json(platform, value, src: int, group, device):
-    """``value`` (JSON data) from rank ``src`` to every rank of ``group``: data, not code."""
-    me = platform.get_rank()
-    blob = json.dumps(value).encode() if me == src else b""
-    n = platform.from_numpy(np.array([len(blob)], dtype=np.int64), device)
-    platform.broadcast(n, src, group)
-    size = int(platform.to_numpy(n)[0])
-    data = np.frombuffer(blob, dtype=np.uint8) if me == src else np.zeros(size, dtype=np.uint8)
-    buf = platform.from_numpy(data, device)
-    platform.broadcast(buf, src, group)
-    return json.loads(platform.to_numpy(buf).tobytes().decode())
+    from ._json_comm import broadcast_json
+
+    return broadcast_json(value, src, group, device=device, platform=platform)
 
 
 class TransferHandle:

@@ -14,8 +14,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+
+from hp_dtensor import all_gather_json, get_platform
 
 from ._errors import PipelineTypeError, check_bool, check_int
 from ._graphs import FULL, SPLIT
@@ -144,7 +145,7 @@ def _check_spec(spec, fn: str) -> None:
 
 
 # -- channels ---------------------------------------------------------------------------------
-_CHANNEL_GROUPS: dict[tuple[int, int, str], dist.ProcessGroup] = {}
+_CHANNEL_GROUPS: dict[tuple[int, int, str], object] = {}  # the platform's groups
 _TAGS = {"F": 1, "B": 2}
 
 
@@ -153,15 +154,16 @@ def _make_channel_groups(
 ) -> None:
     """NCCL: create the process group of every (source, destination, kind) channel the
     schedule uses, once, so each channel has its own communicator and stream (see
-    :func:`hp_pipeline.channel`). ``new_group`` must run on every rank of the world in one
-    order, and pipeline groups differ across data-parallel replicas: so every rank shares its
-    channels (global ranks) with all, and all create the union in sorted order. Collective over
-    the world. Each communicator is created here, not on its first transfer.
+    :func:`hp_pipeline.channel`). Pipeline groups differ across data-parallel replicas, so
+    every rank shares its channels (global ranks, as JSON) with all, and all create the union
+    in sorted order. Collective over the world. Each communicator is created here, not on its
+    first transfer.
 
     Other backends (gloo) match a receive to a send by peer and tag, in order: one tag per
     channel kind over the pipeline group already keeps the channels independent.
     """
-    if dist.get_backend(group) != "nccl":
+    platform = _platform(device)
+    if platform.group_backend(group) != "nccl":
         return
     mine = set()
     for rank_steps in steps.values():
@@ -169,13 +171,12 @@ def _make_channel_groups(
             if st.is_comm:
                 src, dst, kind = channel(st, placement)
                 mine.add((_global(group, src), _global(group, dst), kind))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
+    everyone = all_gather_json(sorted(mine), device=device, platform=platform)
     wanted = sorted({tuple(k) for ks in everyone for k in ks})
-    me = dist.get_rank()
+    me = platform.get_rank()
     for key in wanted:
         if key not in _CHANNEL_GROUPS:
-            pg = _CHANNEL_GROUPS[key] = dist.new_group(sorted({key[0], key[1]}))
+            pg = _CHANNEL_GROUPS[key] = platform.new_group(sorted({key[0], key[1]}), distinct=True)
             if me in key[:2]:
                 # NCCL creates a communicator, and connects a pair of ranks, on first use, and
                 # both ends must take part: done in the middle of a step, that handshake blocks
@@ -183,16 +184,19 @@ def _make_channel_groups(
                 # order_transfers). One small transfer per channel does both here, in the same
                 # (sorted) order on every rank.
                 x = torch.zeros(1, device=device)
-                op = dist.isend if me == key[0] else dist.irecv
                 peer = key[1] if me == key[0] else key[0]
-                for w in dist.batch_isend_irecv(
-                    [dist.P2POp(op, x, peer, group=pg, tag=_TAGS[key[2]])]
-                ):
+                sends, recvs = ([(x, peer)], []) if me == key[0] else ([], [(x, peer)])
+                for w in platform.batch_p2p(sends, recvs, pg, tag=_TAGS[key[2]]):
                     w.wait()
 
 
+def _platform(device):
+    """The platform serving ``device``'s type (torch's, or a backend registered for it)."""
+    return get_platform(torch.device(device).type)
+
+
 def _global(group, r: int) -> int:
-    return dist.get_global_rank(group, r) if group is not None else r
+    return get_platform().group_ranks(group)[r] if group is not None else r
 
 
 def _check_threaded(stages: Sequence[PipelineStage], overlap_b_f: bool, sharded: bool) -> None:
@@ -305,8 +309,9 @@ class PipelineSchedule:
         self.timeline: list[TimelineEvent] = []
         group = stages[0].group
         self.group = group
-        self.pp = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        platform = self.platform = _platform(stages[0].device)
+        self.pp = platform.get_world_size(group) if platform.is_initialized() else 1
+        self.rank = platform.get_rank(group) if platform.is_initialized() else 0
         num = {s.num_stages for s in stages}
         if len(num) != 1:
             raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
@@ -359,7 +364,7 @@ class PipelineSchedule:
         # invalid, or deadlocks even if hosts block now and then: raise
         simulate(self.steps_all, self.placement, n_microbatches, host_sync=True)
         self.steps: list[MetaStep] = self.steps_all[self.rank]
-        if dist.is_initialized():
+        if platform.is_initialized():
             _make_channel_groups(group, self.steps_all, self.placement, stages[0].device)
         # shapes of the tensors arriving at each stage: a header travels with each channel's
         # first transfer (the first step); stages given input_args check it
@@ -437,6 +442,7 @@ class _Run:
 
     def __init__(self, sched: PipelineSchedule, mbs, targets) -> None:
         self.s = sched
+        self.platform = sched.platform
         self.mbs = mbs
         self.targets = targets
         self.losses: dict[int, torch.Tensor] = {}
@@ -682,15 +688,13 @@ class _Run:
 
     def send(self, step: MetaStep, tensors) -> None:
         pg, peer, tag = self._peer(step)
-        ops = []
+        out = []
         if step.type is T.SEND_F and not self.s._sent_meta.get(step.stage):
-            header = self.headers.pop(step.stage)  # made by prepare
-            ops.append(dist.P2POp(dist.isend, header, peer, group=pg, tag=tag))
+            out.append(self.headers.pop(step.stage))  # made by prepare
             self.s._sent_meta[step.stage] = True
-        for x in tensors:
-            ops.append(dist.P2POp(dist.isend, x.contiguous(), peer, group=pg, tag=tag))
-        for op in ops:  # one transfer per call: see hp_pipeline._sim on channels
-            self.sends.extend(dist.batch_isend_irecv([op]))
+        out += [x.contiguous() for x in tensors]
+        for x in out:  # one transfer per call: see hp_pipeline._sim on channels
+            self.sends.extend(self.platform.batch_p2p([(x, peer)], [], pg, tag=tag))
 
     def post_recv(self, step: MetaStep) -> None:
         pg, peer, tag = self._peer(step)
@@ -701,8 +705,7 @@ class _Run:
             bufs = _empty(self.s._in_meta[step.stage], st.device)
         if bufs is None:  # the first RECV_F of a stage: learn the shapes from the header
             header = torch.empty(_HEADER, dtype=torch.int64, device=st.device)
-            op = dist.P2POp(dist.irecv, header, peer, group=pg, tag=tag)
-            for w in dist.batch_isend_irecv([op]):
+            for w in self.platform.batch_p2p([], [(header, peer)], pg, tag=tag):
                 w.wait()
             meta = self.s._in_meta[step.stage] = _parse_header(header)
             if st.device.type == "cuda":  # order_transfers counts this as a full stop
@@ -721,7 +724,7 @@ class _Run:
             bufs = _empty(meta, st.device)
         works = []
         for b in bufs:
-            works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=pg, tag=tag)])
+            works += self.platform.batch_p2p([], [(b, peer)], pg, tag=tag)
         self.recv[key] = (works, bufs)
 
     def take_recv(self, key) -> list[torch.Tensor]:

@@ -75,7 +75,13 @@ class Platform(Protocol):
     def destroy_process_group(self, group: Any = None) -> None: ...
     def get_rank(self, group: Any = None) -> int: ...
     def get_world_size(self, group: Any = None) -> int: ...
-    def new_group(self, ranks: list[int], timeout_s: float | None = None) -> Any: ...
+    def new_group(
+        self, ranks: list[int], timeout_s: float | None = None, *, distinct: bool = False
+    ) -> Any:
+        """The group of ``ranks`` (only members need call it; the world's own group when they
+        are all the ranks, unless ``distinct``: then a communicator of its own, as NCCL
+        pipeline channels want)."""
+
     def group_ranks(self, group: Any) -> list[int]: ...
     def group_backend(self, group: Any) -> str: ...
 
@@ -97,14 +103,18 @@ class Platform(Protocol):
     def broadcast(self, t: Any, src: int, group: Any, async_op: bool = False) -> Any: ...
     def barrier(self, group: Any = None) -> None: ...
     def batch_p2p(
-        self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], group: Any
+        self,
+        sends: list[tuple[Any, int]],
+        recvs: list[tuple[Any, int]],
+        group: Any,
+        tag: int = 0,
     ) -> list[Any]:
         """Post point-to-point sends ``(tensor, peer)`` and receives ``(tensor, peer)`` (peers
         are global ranks of ``group``) as one batch; a list of handles to ``wait()`` on. The
         receives land in their tensors. Messages between the same two ranks in the same
-        direction match in list order, so every rank lists its exchanges in one agreed order
-        (a plan's). Frameworks without point-to-point kernels may build them from two-rank
-        collectives run in that order."""
+        direction and with the same ``tag`` match in list order, so every rank lists its
+        exchanges in one agreed order (a plan's or a schedule's). Frameworks without
+        point-to-point kernels may build them from two-rank collectives run in that order."""
 
     # tensor factories ------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:

@@ -40,6 +40,15 @@ def _ascend() -> bool:
     return ms.get_context("device_target") == "Ascend"
 
 
+def _nothing(t):
+    """What a rank adds to a copy-by-sum (``_copy_sum``) where it holds nothing: -0.0 for
+    float32, which leaves every value as it is, a -0.0 too (x + -0.0 == x); zeros else (those
+    travel as bytes)."""
+    if t.dtype == ms.float32:
+        return ops.full(tuple(t.shape), -0.0, dtype=ms.float32)
+    return ops.zeros(tuple(t.shape), t.dtype)
+
+
 def _into(out, value) -> None:
     """Write ``value`` into the existing tensor ``out`` (the ``*_into`` contract)."""
     if tuple(out.shape) != tuple(value.shape):
@@ -96,9 +105,9 @@ class MindSporePlatform:
     def get_world_size(self, group=None) -> int:
         return comm.get_group_size(self._group(group))
 
-    def new_group(self, ranks, timeout_s=None):
+    def new_group(self, ranks, timeout_s=None, *, distinct=False):
         ranks = tuple(int(r) for r in ranks)
-        if len(ranks) == self.get_world_size():
+        if len(ranks) == self.get_world_size() and not distinct:
             return None
         name = self._groups.get(ranks)
         if name is None:
@@ -129,15 +138,15 @@ class MindSporePlatform:
         if group is None or _ascend():
             return ops.AllGather(group=self._group(group))(t)
         n, r = self.get_world_size(group), self.get_rank(group)
-        parts = [t if p == r else ops.zeros(tuple(t.shape), t.dtype) for p in range(n)]
+        parts = [t if p == r else _nothing(t) for p in range(n)]
         return self._copy_sum(ops.concat(parts, axis=0), group)
 
     @staticmethod
     def _copy_sum(t, group):
         """The all-reduce sum of tensors in which each element is nonzero on one rank at most:
         a copy from that rank. CPU all-reduce takes float32 only: other dtypes travel as their
-        bytes, each byte a float32 (exact), and come back bit for bit (float32 goes as it is:
-        exact too, but a -0.0 arrives as 0.0)."""
+        bytes, each byte a float32 (exact), and come back bit for bit (float32 goes as it is,
+        the other ranks adding -0.0: exact too)."""
         group = comm.GlobalComm.WORLD_COMM_GROUP if group is None else group
         if t.dtype == ms.float32:
             return ops.AllReduce(op=ops.ReduceOp.SUM, group=group)(t)
@@ -224,7 +233,7 @@ class MindSporePlatform:
             if self.get_rank() == src:  # the root keeps its tensor as it is
                 self._copy_sum(t, group)
             else:
-                _into(t, self._copy_sum(ops.zeros(tuple(t.shape), t.dtype), group))
+                _into(t, self._copy_sum(_nothing(t), group))
             return _Done() if async_op else None
         (value,) = ops.Broadcast(root, group=self._group(group))((t,))
         _into(t, value)
@@ -235,12 +244,14 @@ class MindSporePlatform:
 
         mint.distributed.barrier(group=self._group(group))
 
-    def batch_p2p(self, sends, recvs, group):
+    def batch_p2p(self, sends, recvs, group, tag=0):
         """MindSpore has no point-to-point kernels on CPU: each message is a broadcast in the
         group of its two ranks. Every rank runs its messages in one order all agree on
         (sender, receiver, position among that pair's messages), so the earliest unfinished
-        message always has both of its ranks waiting on it and none waits forever. (Ascend's
-        Send/Receive are not used yet: this path is the one tested.)"""
+        message always has both of its ranks waiting on it and none waits forever. Messages
+        run when posted (the handles are done): ``tag`` needs no matching here. (Ascend's
+        Send/Receive are not used yet: this path is the one tested; it makes one communicator
+        per pair of ranks that exchange.)"""
         me = self.get_rank()
         count: dict[tuple[int, int], int] = {}
         ordered = []
@@ -256,16 +267,9 @@ class MindSporePlatform:
         return [_Done()]
 
     def _pair_group(self, a: int, b: int):
-        """The group of ranks ``a`` and ``b``, made by them alone when first needed and named
-        by them alone (the other ranks never hear of it)."""
-        ranks = tuple(sorted((a, b)))
-        if len(ranks) == self.get_world_size():
-            return None
-        name = f"hp_pair_{ranks[0]}_{ranks[1]}"
-        if name not in self._ranks:
-            comm.create_group(name, list(ranks))
-            self._ranks[name] = list(ranks)
-        return name
+        """The group of ranks ``a`` and ``b`` (the same one ``new_group`` gives: one
+        communicator per pair), made by them alone when first needed."""
+        return self.new_group(sorted((a, b)))
 
     # tensor factories ------------------------------------------------------------------------
     def empty(self, shape, dtype, device):

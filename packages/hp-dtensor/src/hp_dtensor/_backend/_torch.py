@@ -95,7 +95,7 @@ class TorchPlatform:
     def get_world_size(self, group=None) -> int:
         return dist.get_world_size(group)
 
-    def new_group(self, ranks, timeout_s=None):
+    def new_group(self, ranks, timeout_s=None, *, distinct=False):
         """A group of ``ranks``; only members take part (local synchronisation).
 
         torch names such a group after its ranks and the number of groups this process
@@ -104,7 +104,7 @@ class TorchPlatform:
         different names and wait for each other forever. The name here depends on the ranks
         and on how many times this process asked for them, which every member counts alike.
         """
-        if len(ranks) == dist.get_world_size():
+        if len(ranks) == dist.get_world_size() and not distinct:
             return dist.group.WORLD
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         key = tuple(int(r) for r in ranks)
@@ -168,9 +168,9 @@ class TorchPlatform:
     def barrier(self, group=None) -> None:
         dist.barrier(group)
 
-    def batch_p2p(self, sends, recvs, group):
-        ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    def batch_p2p(self, sends, recvs, group, tag=0):
+        ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs]
         return dist.batch_isend_irecv(ops) if ops else []
 
     # tensor factories ------------------------------------------------------------------------
