@@ -4,9 +4,10 @@ The most used names sit at the top level (``hp.fully_shard``, ``hp.DTensor``,
 ``hp.init_device_mesh``, ``hp.parallelize_module``, ``hp.PipelineStage``, ...); each package is
 also reachable whole: ``hp.dtensor``, ``hp.fsdp``, ``hp.optim``, ``hp.pipeline``, ``hp.offload``,
 ``hp.dcp``, ``hp.moe``, ``hp.trainer``, ``hp.kernels`` (its compiled module loads on first
-use).
+use), ``hp.autoparallel`` (planning: ``hp.autoparallel.search``, the ``hp-plan`` CLI).
 """
 
+import hp_autoparallel as autoparallel
 import hp_dcp as dcp
 import hp_dtensor as dtensor
 import hp_fsdp as fsdp
@@ -95,6 +96,7 @@ __all__ = [
     "SequenceParallel",
     "Shard",
     "TokenChoiceTopKRouter",
+    "autoparallel",
     "checkpoint_wrapper",
     "clip_grad_norm_",
     "dcp",

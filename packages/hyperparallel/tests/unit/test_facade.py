@@ -32,5 +32,8 @@ def test_facade_names_are_the_packages_objects():
     import hp_moe
 
     assert hp.moe is hp_moe and hp.MoE is hp_moe.MoE and hp.ExpertParallel is hp_moe.ExpertParallel
+    import hp_autoparallel
+
+    assert hp.autoparallel is hp_autoparallel and hp.autoparallel.search is hp_autoparallel.search
     for name in hp.__all__:
         assert getattr(hp, name) is not None, name

@@ -1,0 +1,64 @@
+"""hp_autoparallel: plan how to train a model on N GPUs.
+
+Memory and step-time models of hp-train's configurations (``estimate``), an N-D search over
+data / tensor / pipeline / context / expert parallelism, microbatches, schedules and
+recomputation (``search``), and the ``hp-plan`` CLI that ranks them and writes an hp-train
+TOML for the best. The planning core is pure Python (importing this package imports no
+torch); the search reads hp-trainer's model registry and degree checks and hp-pipeline's
+schedules, simulator and stage balancing through their public APIs.
+"""
+
+from ._estimate import Estimate, Evaluator, MemoryEstimate, StepTime, estimate
+from ._hardware import Cluster, GpuCalibration, Link, load_cluster, load_gpu, shipped_gpus
+from ._plan import RECOMPUTE, SCHEDULES, Plan, StageLayout, Workload
+from ._search import Rejection, SearchResult, nearest_gpu_count, search
+from ._spec import LayerParams, ModelSpec, known_models, model_spec, spec_from_config
+from ._toml import train_config, write_train_config
+from .errors import (
+    CalibrationError,
+    ClusterFileError,
+    NoPlanError,
+    PlanError,
+    PlanTypeError,
+    UnknownGpuError,
+    UnknownModelError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RECOMPUTE",
+    "SCHEDULES",
+    "CalibrationError",
+    "Cluster",
+    "ClusterFileError",
+    "Estimate",
+    "Evaluator",
+    "GpuCalibration",
+    "LayerParams",
+    "Link",
+    "MemoryEstimate",
+    "ModelSpec",
+    "NoPlanError",
+    "Plan",
+    "PlanError",
+    "PlanTypeError",
+    "Rejection",
+    "SearchResult",
+    "StageLayout",
+    "StepTime",
+    "UnknownGpuError",
+    "UnknownModelError",
+    "Workload",
+    "estimate",
+    "known_models",
+    "load_cluster",
+    "load_gpu",
+    "model_spec",
+    "nearest_gpu_count",
+    "search",
+    "shipped_gpus",
+    "spec_from_config",
+    "train_config",
+    "write_train_config",
+]

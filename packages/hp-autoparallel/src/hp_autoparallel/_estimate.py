@@ -1,0 +1,776 @@
+"""The memory and step-time models of one configuration. Pure Python.
+
+``estimate(spec, plan, workload, gpu, cluster)`` returns an :class:`Estimate`: the peak memory
+of the fullest rank (:class:`MemoryEstimate`) and the step time of the slowest
+(:class:`StepTime`), each broken down by cause, for what hp-trainer runs with those settings:
+
+NOTE [What the trainer keeps]
+- FSDP (whenever dp x cp > 1) keeps each rank's shard of every parameter in fp32, its
+  gradient in fp32 (``mixed_precision_reduce = float32``) and AdamW's two fp32 moments: 16
+  bytes per sharded parameter. Dense parameters are split over tp (the ``tp`` class of
+  NOTE [Parameter classes]) and sharded over dp_shard x cp; routed experts are split over
+  ep x etp and sharded over the experts' own data-parallel ranks (dp_shard / ep). Without
+  FSDP the same 16 bytes are whole, plus the bf16 copies autocast casts for the matmuls.
+- Around compute FSDP gathers a block's parameters in bf16: the block in use and the one
+  prefetched, its bf16 gradients and the fp32 reduce-scatter buffers of this block and the
+  previous (still in flight): 14 bytes per gathered parameter of the largest block. The root
+  (embedding, final norm, output) stays gathered from forward to backward.
+- Under a pipeline, hp-pipeline's UNSHARD gathers every stage once per step and keeps it
+  (with its bf16 gradients) until RESHARD reduces all groups at once (fp32 buffers).
+- Activations: NOTE [Saved activations] in ``_layers``, times the microbatches in flight
+  (``_pipeline.inflight``), plus one block's whole set while it is recomputed; the last stage
+  holds the full-vocabulary logits (gathered over tp) in bf16 and fp32 and the fp32
+  log-softmax (10 bytes per logit, 6 more while backward computes their gradient).
+- Swap keeps hp-offload's in-flight window (1 GiB of device copies not yet on the host) and
+  two blocks' sets being prefetched back.
+- The allocated peak times the calibration's fragmentation factor, plus its runtime reserve,
+  must fit the GPU's memory.
+
+NOTE [Where time goes]
+- Compute: FLOPs of dense GEMMs, attention and grouped GEMMs at the calibration's measured
+  rates, memory-bound kernels (norms, RoPE, SwiGLU, permutations, the logits' loss) at its
+  memory bandwidth; backward is 2x the GEMMs and element-wise work and 2.5x attention.
+- Exposed communication: tensor-parallel all-gathers / reduce-scatters (sequence parallelism)
+  and the logits' all-gather sit on the critical path (hp-trainer's default is not async TP);
+  the context-parallel ring runs unoverlapped (``ContextParallel``); expert all-to-alls too.
+  FSDP's all-gather of block i overlaps block i-1's forward (the first is exposed), its
+  reduce-scatter the next block's backward; the last reduce-scatters and the root's are
+  exposed. Under a pipeline the once-per-step gather and reduction are exposed, and the
+  bubble comes from the schedule (closed form, or hp-pipeline's simulator).
+- Recomputation runs a block's forward again in backward (its collectives too); selective
+  recomputes the element-wise work and a MoE's experts, plus the calibration's per-block
+  host overhead; swap adds the copies that do not fit under compute and its per-block host
+  overhead.
+- The optimizer step reads and writes the fp32 shards (AdamW and clipping: 32 bytes per
+  parameter) at memory bandwidth.
+Not modelled yet: contention between collectives sharing a link, GEMMs slowed by concurrent
+communication kernels, host-bound steps (many small kernels), load imbalance between experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import _layers as L
+from ._hardware import GIB, Cluster, GpuCalibration
+from ._pipeline import inflight, makespan
+from ._plan import Plan, StageLayout, Workload
+from ._spec import LayerParams, ModelSpec
+from .errors import PlanError, PlanTypeError
+
+__all__ = ["Estimate", "Evaluator", "MemoryEstimate", "StepTime", "estimate"]
+
+SWAP_WINDOW = 1 * GIB  # hp_offload.SwapManager's default max_inflight_bytes
+_RS = 4  # bytes per gradient value reduced (mixed_precision_reduce = float32)
+_STATE = 16  # fp32 parameter, gradient and two AdamW moments per sharded parameter
+_OPT_BYTES = 32  # AdamW + clipping traffic per sharded parameter
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak memory of the fullest rank (``rank``), in bytes, by cause. ``allocated`` is the
+    sum; ``peak`` what the allocator reserves (``allocated x fragmentation + reserve``)."""
+
+    rank: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+    logits: float
+    other: float
+    fragmentation: float
+    reserve: float
+    host: float = 0.0  # pinned host bytes the rank's swapped activations take (swap only)
+
+    @property
+    def allocated(self) -> float:
+        """The allocated peak."""
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.fsdp_buffers
+            + self.activations
+            + self.logits
+            + self.other
+        )
+
+    @property
+    def peak(self) -> float:
+        """Reserved peak: what must fit the device."""
+        return self.allocated * self.fragmentation + self.reserve
+
+    def rows(self) -> list[tuple[str, float]]:
+        """``(cause, bytes)`` pairs, for printing."""
+        return [
+            ("parameters (fp32 shards)", self.parameters),
+            ("gradients (fp32 shards)", self.gradients),
+            ("optimizer (AdamW moments)", self.optimizer),
+            ("FSDP gathered params/grads and buffers", self.fsdp_buffers),
+            ("activations", self.activations),
+            ("logits and loss", self.logits),
+            ("other (autocast / expert copies)", self.other),
+        ]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the slowest rank, by cause (their sum is ``total``)."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    pp_bubble: float
+    pp_comm: float
+    fsdp_exposed: float
+    optimizer: float
+    swap: float
+    simulated: bool = False
+
+    @property
+    def total(self) -> float:
+        """The step time."""
+        return (
+            self.compute
+            + self.recompute
+            + self.tp_comm
+            + self.cp_comm
+            + self.ep_comm
+            + self.pp_bubble
+            + self.pp_comm
+            + self.fsdp_exposed
+            + self.optimizer
+            + self.swap
+        )
+
+    def rows(self) -> list[tuple[str, float]]:
+        """``(cause, seconds)`` pairs."""
+        return [
+            ("compute", self.compute),
+            ("recompute", self.recompute),
+            ("TP comm", self.tp_comm),
+            ("CP comm", self.cp_comm),
+            ("EP all-to-all", self.ep_comm),
+            ("PP bubble", self.pp_bubble),
+            ("PP transfers", self.pp_comm),
+            ("FSDP exposed", self.fsdp_exposed),
+            ("optimizer", self.optimizer),
+            ("swap", self.swap),
+        ]
+
+    def biggest_overhead(self) -> tuple[str, float]:
+        """The largest cause other than compute, and its share of the step."""
+        name, t = max(self.rows()[1:], key=lambda r: r[1])
+        return name, t / self.total if self.total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration's predicted memory and step time, and the figures derived from them."""
+
+    plan: Plan
+    memory: MemoryEstimate
+    time: StepTime
+    tokens_per_s_per_gpu: float
+    mfu: float
+    layout: StageLayout = field(repr=False)
+
+    def fits(self, gpu: GpuCalibration) -> bool:
+        """Whether the reserved peak fits ``gpu``'s memory (and swapped activations its host
+        memory per GPU, where the calibration gives one)."""
+        return self.memory.peak <= gpu.memory and self.fits_host(gpu)
+
+    def fits_host(self, gpu: GpuCalibration) -> bool:
+        """Whether the swapped activations fit ``gpu``'s host memory per GPU."""
+        return gpu.host_memory is None or self.memory.host <= gpu.host_memory
+
+
+# -- sharding -----------------------------------------------------------------------------------
+
+
+def _expert_shard(plan: Plan) -> int:
+    """Ranks one expert parameter is split over (NOTE [What the trainer keeps])."""
+    if plan.ep > 1:
+        return plan.ep * plan.tp if plan.etp > 1 else plan.dp_shard
+    return (plan.tp if plan.etp > 1 else 1) * plan.fsdp_shard
+
+
+def _expert_gathered(plan: Plan) -> int:
+    """Ranks an expert is split over while FSDP has it gathered (0: FSDP does not own it)."""
+    if plan.ep > 1:
+        return 0 if plan.etp > 1 else plan.ep
+    return plan.tp if plan.etp > 1 else 1
+
+
+def _sharded(p: LayerParams, plan: Plan) -> float:
+    """Parameters of ``p`` one rank keeps (its shards)."""
+    fs = plan.fsdp_shard
+    return p.tp / (plan.tp * fs) + p.replicated / fs + p.experts / _expert_shard(plan)
+
+
+def _gathered(p: LayerParams, plan: Plan) -> float:
+    """Parameters of ``p`` FSDP gathers on one rank (experts FSDP does not own excluded)."""
+    g = _expert_gathered(plan)
+    return p.tp / plan.tp + p.replicated + (p.experts / g if g else 0.0)
+
+
+# -- blocks ---------------------------------------------------------------------------------------
+
+
+class _Ctx:
+    """What every block of one microbatch shape shares: the tokens, the degrees that shape a
+    block's work, the hardware. Does not depend on the data-parallel degrees, so stage costs
+    are shared (cached) between plans that differ only there."""
+
+    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster):
+        self.spec, self.gpu, self.cluster = spec, gpu, cluster
+        self.tokens, self.seq = tokens, seq
+        self.tp, self.cp, self.ep, self.etp = tp, cp, ep, etp
+        self.ab = gpu.act_bytes
+        # the trainer's mesh: pp, dp_replicate, dp_shard, cp, tp (innermost); ep inside dp_shard
+        self.cp_stride = tp
+        self.ep_stride = tp * cp
+
+    def coll(self, kind, size, stride, nbytes):
+        return self.cluster.collective(kind, size, stride, nbytes)
+
+
+_FIELDS = ("f", "fc", "bi", "bw", "recompute", "tp", "cp", "ep", "swap")
+
+
+@dataclass
+class _Acc:
+    """Seconds of one microbatch on one stage (or rank), by cause. ``f`` forward compute, ``fc``
+    the forward's exposed collectives (also counted in ``tp`` / ``cp`` / ``ep``), ``bi`` / ``bw``
+    input- / weight-gradient compute."""
+
+    f: float = 0.0
+    fc: float = 0.0
+    bi: float = 0.0
+    bw: float = 0.0
+    recompute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    swap: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        """The forward pass, collectives included."""
+        return self.f + self.fc
+
+    @property
+    def total(self) -> float:
+        """Forward and backward."""
+        return self.f + self.bi + self.bw + self.recompute + self.tp + self.cp + self.ep + self.swap
+
+    def add(self, other: _Acc) -> None:
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float, float]:
+    """Add ``count`` blocks of ``kind`` to ``acc``; return one block's (forward, backward)
+    seconds for FSDP's overlap model."""
+    spec, gpu = c.spec, c.gpu
+    tp, cp, ep = c.tp, c.cp, c.ep
+    w = L.work(spec, kind, c.tokens, c.seq, tp, c.etp, c.ab)
+    t_mm = w.matmul / gpu.matmul_flops
+    t_at = w.attention / gpu.attention_flops
+    t_gg = w.grouped / gpu.grouped_gemm_flops
+    t_el = w.elementwise / gpu.memory_bandwidth
+    f = t_mm + t_at + t_gg + t_el
+    bi = t_mm + 2.5 * t_at + t_gg + 2 * t_el
+    bw = t_mm + t_gg
+    tp_f = tp_b = 0.0
+    if tp > 1:
+        ag = c.coll("all_gather", tp, 1, w.tp_bytes)
+        rs = c.coll("reduce_scatter", tp, 1, w.tp_bytes)
+        tp_f = w.tp_gathers * ag + w.tp_scatters * rs
+        tp_b = w.tp_gathers * rs + w.tp_scatters * ag
+        tp_b += c.coll("all_reduce", tp, 1, w.tp_grad_allreduce)
+    cp_f = cp_b = 0.0
+    if cp > 1 and w.cp_bytes:
+        shift = c.cluster.p2p(cp, c.cp_stride, w.cp_bytes)
+        merge = cp * (
+            gpu.cp_step_overhead
+            + gpu.cp_merge_bytes * c.tokens * w.cp_features / gpu.memory_bandwidth
+        )
+        cp_f = (cp - 1) * shift + merge / 3
+        cp_b = 2 * (cp - 1) * shift + 2 * merge / 3
+    ep_f = 0.0
+    if w.a2a_bytes and ep > 1:
+        ep_f = 2 * c.coll("all_to_all", ep, c.ep_stride, w.a2a_bytes)
+    ep_b = ep_f
+    rec = sw = 0.0
+    if mode == "full":
+        rec = f + tp_f + cp_f + ep_f
+    elif mode == "selective":
+        moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / gpu.memory_bandwidth
+        rec = t_el + moe + tp_f + ep_f + gpu.selective_overhead
+    elif mode == "swap":
+        saved = L.saved_bytes(spec, kind, "none", c.tokens, tp, c.etp, c.ab)
+        copy = saved / gpu.host_bandwidth
+        sw = max(0.0, copy - f) + max(0.0, copy - bi - bw) + gpu.swap_overhead
+    acc.f += count * f
+    acc.fc += count * (tp_f + cp_f + ep_f)
+    acc.bi += count * bi
+    acc.bw += count * bw
+    acc.recompute += count * rec
+    acc.tp += count * (tp_f + tp_b)
+    acc.cp += count * (cp_f + cp_b)
+    acc.ep += count * (ep_f + ep_b)
+    acc.swap += count * sw
+    return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b + sw
+
+
+def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
+    """The output projection, the logits' all-gather over tp and the loss, once for the main
+    prediction and once per MTP depth."""
+    spec, gpu, tp = c.spec, c.gpu, c.tp
+    t, v, d = c.tokens, spec.vocab_size, spec.dim
+    mm = 2 * t * d * v / tp / gpu.matmul_flops
+    acc.f += depths * (mm + t * v * 16 / gpu.memory_bandwidth)
+    acc.bi += depths * (mm + t * v * 20 / gpu.memory_bandwidth)
+    acc.bw += depths * mm
+    if tp > 1:
+        ag_in = c.coll("all_gather", tp, 1, t * d * c.ab)
+        rs_in = c.coll("reduce_scatter", tp, 1, t * d * c.ab)
+        logits = c.coll("all_gather", tp, 1, t * v * c.ab)
+        acc.tp += depths * (ag_in + rs_in + logits)
+        acc.fc += depths * (ag_in + logits)
+
+
+def _embedding_time(c: _Ctx, acc: _Acc) -> None:
+    """The embedding's reduce-scatter to sequence shards (and its all-gather in backward)."""
+    if c.tp > 1:
+        nbytes = c.tokens * c.spec.dim * c.ab
+        rs = c.coll("reduce_scatter", c.tp, 1, nbytes)
+        acc.tp += rs + c.coll("all_gather", c.tp, 1, nbytes)
+        acc.fc += rs
+
+
+def _mtp_time(c: _Ctx, acc: _Acc, mode: str) -> None:
+    """DeepSeek-V3's MTP modules: a block like the last one, the ``2 d -> d`` projection."""
+    spec = c.spec
+    if not spec.mtp_layers:
+        return
+    _block_time(c, L.kind_of(spec, spec.n_layers - 1), mode, acc, spec.mtp_layers)
+    proj = spec.mtp_layers * 2 * c.tokens * 2 * spec.dim * spec.dim / c.gpu.matmul_flops
+    acc.f += proj
+    acc.bi += proj
+    acc.bw += proj
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """A pipeline rank's share of the model: its stages, their blocks' parameters (DeepSeek's
+    MTP blocks with the last stage's: each is an FSDP group of its own), the root group's
+    (embedding; final norm and output; MTP's norms and projection), and one block of each
+    kind."""
+
+    stages: tuple[int, ...]
+    blocks: LayerParams
+    root: LayerParams
+    first: bool
+    last: bool
+    kinds: tuple[LayerParams, ...]
+
+
+class Evaluator:
+    """Estimates plans of one model, workload and hardware, sharing what plans have in common
+    (each stage's costs per microbatch shape, each FSDP group's collective times, each
+    pipeline rank's parameters) in caches it owns. The search keeps one; :func:`estimate`
+    builds one per call.
+
+    Example::
+
+        ev = Evaluator(model_spec("llama3-70b"), Workload(4096, 8192), load_gpu("h200"),
+                       load_cluster("h200"))
+        ev.estimate(Plan(1, 128, tp=8, recompute="full", microbatches=4)).time.total
+    """
+
+    def __init__(self, spec: ModelSpec, work: Workload, gpu: GpuCalibration, cluster: Cluster):
+        _check_types("Evaluator", spec=spec, work=work, gpu=gpu, cluster=cluster)
+        self.spec, self.work, self.gpu, self.cluster = spec, work, gpu, cluster
+        self.ab = gpu.act_bytes
+        self._stages: dict = {}
+        self._groups: dict = {}
+        self._ranks: dict = {}
+        self._saved: dict = {}
+        self._layouts: dict = {}
+        self._flops = spec.flops_per_token(work.seq_len)
+
+    # -- structure ----------------------------------------------------------------------------
+    def layout(self, plan: Plan) -> StageLayout:
+        """The stages hp-trainer builds for ``plan``: its block split (``balance_stages`` over
+        its per-block costs, ``_pipeline.stage_ranges``), the schedule's placement."""
+        key = (plan.pp, plan.schedule)
+        if key not in self._layouts:
+            if plan.pp == 1:
+                lay = StageLayout.single(self.spec.n_layers)
+            else:
+                from ._pipeline import stage_ranges
+
+                ranges = stage_ranges(self.spec, plan.pp * plan.vpp, self.work.seq_len)
+                lay = StageLayout.for_schedule(ranges, plan.schedule, plan.pp)
+            self._layouts[key] = lay
+        return self._layouts[key]
+
+    def _rank_groups(self, layout: StageLayout, pp: int) -> list[tuple[_Rank, list[int]]]:
+        """Pipeline ranks grouped by what they hold (ranks of a group cost the same and
+        differ only in the microbatches in flight)."""
+        key = (layout, pp)
+        if key not in self._ranks:
+            spec = self.spec
+            groups: dict = {}
+            for rank in range(pp):
+                stages = tuple(layout.stages_of(rank))
+                blocks = LayerParams(0, 0, 0)
+                kinds: dict = {}
+                sig = []
+                for s in stages:
+                    counts = L.layer_kinds(spec, *layout.ranges[s])
+                    sig.append((tuple(sorted(counts.items())), s == 0, s == layout.n_stages - 1))
+                    for kind, n in counts.items():
+                        kinds[kind] = p = L.kind_params(spec, kind)
+                        blocks = blocks + LayerParams(n * p.tp, n * p.replicated, n * p.experts)
+                first, last = 0 in stages, layout.n_stages - 1 in stages
+                root = LayerParams(0, 0, 0)
+                if first:
+                    root = root + LayerParams(spec.embedding_params(), 0, 0)
+                if last:
+                    root = root + spec.head_params()
+                    if spec.mtp_layers:
+                        n, p = spec.mtp_layers, spec.layer_params(spec.n_layers - 1)
+                        mtp = LayerParams(n * p.tp, n * p.replicated, n * p.experts)
+                        blocks = blocks + mtp
+                        extra = spec.mtp_params()  # minus its blocks: norms and projection
+                        root = root + LayerParams(
+                            extra.tp - mtp.tp, extra.replicated - mtp.replicated, 0
+                        )
+                sig = tuple(sig)
+                if sig not in groups:
+                    rank_info = _Rank(stages, blocks, root, first, last, tuple(kinds.values()))
+                    groups[sig] = (rank_info, [])
+                groups[sig][1].append(rank)
+            self._ranks[key] = list(groups.values())
+        return self._ranks[key]
+
+    # -- costs --------------------------------------------------------------------------------
+    def _stage(self, layout: StageLayout, s: int, plan: Plan, tokens: int):
+        """(_Acc of one microbatch, {kind: (forward, backward) of one block}) of stage ``s``.
+        Cached: do not modify the results."""
+        lo, hi = layout.ranges[s]
+        first, last = s == 0, s == layout.n_stages - 1
+        key = (lo, hi, first, last, plan.recompute, tokens, plan.tp, plan.cp, plan.ep, plan.etp)
+        hit = self._stages.get(key)
+        if hit is None:
+            c = _Ctx(
+                self.spec,
+                tokens,
+                self.work.seq_len,
+                plan.tp,
+                plan.cp,
+                plan.ep,
+                plan.etp,
+                self.gpu,
+                self.cluster,
+            )
+            acc = _Acc()
+            per_kind = {}
+            for kind, n in L.layer_kinds(self.spec, lo, hi).items():
+                per_kind[kind] = _block_time(c, kind, plan.recompute, acc, n)
+            if first:
+                _embedding_time(c, acc)
+            if last:
+                _head_time(c, acc, 1 + self.spec.mtp_layers)
+                _mtp_time(c, acc, plan.recompute)
+            hit = self._stages[key] = (acc, per_kind)
+        return hit
+
+    def _group(self, p: LayerParams, plan: Plan) -> tuple[float, float]:
+        """(all-gather, reduce-scatter + HSDP all-reduce) seconds of one FSDP group holding
+        ``p`` (when ep > 1 a MoE block's experts are a group of their own over the experts'
+        data-parallel ranks; both are counted here)."""
+        key = (p, plan.tp, plan.cp, plan.dp_replicate, plan.dp_shard, plan.ep, plan.etp)
+        hit = self._groups.get(key)
+        if hit is None:
+            cl, ab, tp = self.cluster, self.ab, plan.tp
+            fs = plan.fsdp_shard
+            g = _expert_gathered(plan)
+            dense = p.tp / tp + p.replicated
+            experts = p.experts / g if g else 0.0
+            ag = cl.collective("all_gather", fs, tp, dense * ab)
+            rs = cl.collective("reduce_scatter", fs, tp, dense * _RS)
+            if plan.dp_replicate > 1:
+                stride = plan.dp_shard * plan.cp * tp
+                rs += cl.collective("all_reduce", plan.dp_replicate, stride, dense / fs * _RS)
+            if experts:
+                size, stride = (plan.dp_shard // plan.ep, plan.ep * tp) if plan.ep > 1 else (fs, tp)
+                ag += cl.collective("all_gather", size, stride, experts * ab)
+                rs += cl.collective("reduce_scatter", size, stride, experts * _RS)
+            hit = self._groups[key] = (ag, rs)
+        return hit
+
+    def _fsdp(self, layout, rank: _Rank, plan: Plan, per_kind) -> float:
+        """Exposed FSDP seconds of one step on a rank (NOTE [Where time goes])."""
+        spec = self.spec
+        counts: dict = {}
+        for s in rank.stages:
+            for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
+                counts[kind] = counts.get(kind, 0) + n
+        times = {k: self._group(L.kind_params(spec, k), plan) for k in counts}
+        root_ag, root_rs = self._group(rank.root, plan)
+        if plan.pp > 1:  # gathered once at UNSHARD, reduced once at RESHARD: all exposed
+            return root_ag + root_rs + sum(n * sum(times[k]) for k, n in counts.items())
+        lo, hi = layout.ranges[0]
+        first, last = L.kind_of(spec, lo), L.kind_of(spec, hi - 1)
+        exposed = root_ag + times[first][0] + times[last][0] + times[first][1] + root_rs
+        pairs = dict(L.kind_pairs(spec, lo, hi))
+        if spec.mtp_layers:  # MTP blocks run after the last block, each its own group
+            pairs[(last, last)] = pairs.get((last, last), 0) + spec.mtp_layers
+        for (prev, cur), n in pairs.items():
+            exposed += n * max(0.0, times[cur][0] - per_kind[prev][0])  # gather ahead
+            exposed += n * max(0.0, times[prev][0] + times[cur][1] - per_kind[cur][1])
+        return plan.microbatches * exposed
+
+    def _saved_per_stage(self, layout, rank: _Rank, plan: Plan, tokens: int):
+        """(mean saved bytes per microbatch over the rank's stages, the largest block's whole
+        set): NOTE [Saved activations]."""
+        key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp)
+        hit = self._saved.get(key)
+        if hit is None:
+            spec, ab = self.spec, self.ab
+            kept = "none" if plan.recompute == "swap" else plan.recompute
+            total = window = 0.0
+            for s in rank.stages:
+                for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
+                    total += n * L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab)
+                    whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab)
+                    window = max(window, whole)
+                if s == layout.n_stages - 1 and spec.mtp_layers:
+                    kind = L.kind_of(spec, spec.n_layers - 1)
+                    total += spec.mtp_layers * (
+                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab)
+                        + 4 * tokens * spec.dim * ab  # the two norms' inputs, the projection's
+                    )
+            hit = self._saved[key] = (total / len(rank.stages), window)
+        return hit
+
+    # -- the estimate -------------------------------------------------------------------------
+    def estimate(
+        self,
+        plan: Plan,
+        *,
+        layout: StageLayout | None = None,
+        held: tuple[int, ...] | None = None,
+        pipeline_time: float | None = None,
+    ) -> Estimate:
+        """See :func:`estimate`."""
+        _check_types("Evaluator.estimate", plan=plan)
+        _check_plan(plan, self.work)
+        gpu = self.gpu
+        layout = layout or self.layout(plan)
+        tokens = plan.sequences_per_microbatch(self.work) * self.work.seq_len // plan.cp
+        m = plan.microbatches
+        worst = None
+        slowest = None
+        fsdp_t = opt_t = 0.0
+        for rank, members in self._rank_groups(layout, plan.pp):
+            if plan.pp > 1:
+                if held is not None:
+                    h = max(held[r] for r in members)
+                else:
+                    h = max(inflight(plan.schedule, plan.pp, m, r) for r in members)
+            else:
+                h = 1
+            mem = self._memory(layout, rank, plan, tokens, h)
+            if worst is None or mem.allocated > worst.allocated:
+                worst = mem
+            acc = _Acc()
+            for s in rank.stages:
+                acc.add(self._stage(layout, s, plan, tokens)[0])
+            if slowest is None or acc.total > slowest.total:
+                slowest = acc
+            shard = _sharded(rank.blocks + rank.root, plan)
+            if plan.fsdp:
+                per_kind = self._stage(layout, rank.stages[0], plan, tokens)[1]
+                fsdp_t = max(fsdp_t, self._fsdp(layout, rank, plan, per_kind))
+            opt_t = max(opt_t, shard * _OPT_BYTES / gpu.memory_bandwidth)
+        a = slowest
+        bubble = transfers = 0.0
+        if plan.pp > 1:
+            comm = self._transfer(plan, tokens)
+            span = pipeline_time
+            if span is None:
+                span = makespan(plan.schedule, plan.pp, m, a.forward, a.total - a.forward, comm)
+            transfers = 2 * (layout.n_stages - 1) * comm
+            bubble = max(0.0, span - m * a.total - transfers)
+        t = StepTime(
+            compute=m * (a.f + a.bi + a.bw),
+            recompute=m * a.recompute,
+            tp_comm=m * a.tp,
+            cp_comm=m * a.cp,
+            ep_comm=m * a.ep,
+            pp_bubble=bubble,
+            pp_comm=transfers,
+            fsdp_exposed=fsdp_t,
+            optimizer=opt_t,
+            swap=m * a.swap,
+            simulated=pipeline_time is not None,
+        )
+        tps = self.work.tokens / t.total / plan.world
+        return Estimate(plan, worst, t, tps, tps * self._flops / gpu.peak_flops, layout)
+
+    def _memory(self, layout, rank: _Rank, plan: Plan, tokens: int, held: int) -> MemoryEstimate:
+        spec, ab, mode = self.spec, self.ab, plan.recompute
+        everything = rank.blocks + rank.root
+        shard = _sharded(everything, plan)
+        mean, window = self._saved_per_stage(layout, rank, plan, tokens)
+        acts = held * mean
+        host = 0.0
+        if mode == "swap":  # every saved activation goes to pinned host memory
+            host = acts
+            acts = min(acts, SWAP_WINDOW) + 2 * window
+        elif mode in ("full", "selective"):
+            acts += window  # the block being recomputed
+        logits = 0.0
+        if rank.last:
+            v, d = spec.vocab_size, spec.dim
+            keep = plan.microbatches if plan.schedule == "gpipe" else 1
+            depths = 1 + spec.mtp_layers
+            logits = depths * keep * tokens * (v * 10 + (d / plan.tp + d) * ab) + tokens * v * 6
+            if plan.pp > 1:
+                # hp_pipeline's last stage keeps every microbatch's (detached) logits under
+                # every schedule, and step() concatenates them at its end: twice that then
+                logits += 2 * plan.microbatches * tokens * v * ab
+        other = buffers = 0.0
+        if plan.fsdp:
+            if plan.pp > 1:  # the whole stage gathered for the step, reduced at its end
+                u = _gathered(everything, plan)
+                buffers = max(2 * ab * u, (2 * ab + _RS) * u - acts - logits)
+            else:
+                block = max(_gathered(p, plan) for p in rank.kinds)
+                buffers = block * (3 * ab + 2 * _RS) + _gathered(rank.root, plan) * 2 * ab
+            if plan.ep > 1 and plan.etp > 1 and ab < 4:  # experts FSDP does not cast
+                copies = rank.blocks.experts / _expert_shard(plan) * ab
+                other += copies if mode != "full" else copies / spec.n_layers
+        elif ab < 4:  # autocast without FSDP: bf16 weight copies saved for backward
+            # autocast caches each copy until the outer autocast exits (the end of forward), so
+            # under full recompute every copy is alive at the forward's peak; the backward then
+            # holds the recomputed block's copy beside the window (already in ``acts``)
+            copies = _gathered(everything, plan) * ab
+            if mode != "full":
+                other += copies
+            else:
+                other += max(copies - window, copies / spec.n_layers)
+        if plan.cp > 1:  # the ring's received keys and values
+            other += 2 * max(
+                L.work(spec, k, tokens, self.work.seq_len, plan.tp, plan.etp, ab).cp_bytes
+                for s in rank.stages
+                for k in L.layer_kinds(spec, *layout.ranges[s])
+            )
+        return MemoryEstimate(
+            rank=rank.stages[0] % max(plan.pp, 1),
+            parameters=shard * 4,
+            gradients=shard * 4,
+            optimizer=shard * (_STATE - 8),
+            fsdp_buffers=buffers,
+            activations=acts,
+            logits=logits,
+            other=other,
+            fragmentation=self.gpu.fragmentation,
+            reserve=self.gpu.runtime_reserve,
+            host=host,
+        )
+
+    def _transfer(self, plan: Plan, tokens: int) -> float:
+        """One activation (or gradient) transfer between pipeline stages: a microbatch's
+        hidden states, sequence-sharded over tp."""
+        stride = plan.dp * plan.cp * plan.tp
+        return self.cluster.p2p(plan.pp, stride, tokens * self.spec.dim / plan.tp * self.ab)
+
+    def stage_costs(self, plan: Plan, layout: StageLayout):
+        """Per stage, the seconds of one microbatch's forward, input-gradient pass (B, with
+        recomputation, swap and the backward's collectives) and weight-gradient pass (W), and
+        one transfer's seconds: what the pipeline simulator takes."""
+        tokens = plan.sequences_per_microbatch(self.work) * self.work.seq_len // plan.cp
+        fwd, bi, bw = [], [], []
+        for s in range(layout.n_stages):
+            a, _ = self._stage(layout, s, plan, tokens)
+            fwd.append(a.forward)
+            bi.append(a.total - a.forward - a.bw)
+            bw.append(a.bw)
+        return tuple(fwd), tuple(bi), tuple(bw), self._transfer(plan, tokens)
+
+
+def estimate(
+    spec: ModelSpec,
+    plan: Plan,
+    work: Workload,
+    gpu: GpuCalibration,
+    cluster: Cluster,
+    *,
+    layout: StageLayout | None = None,
+    held: tuple[int, ...] | None = None,
+    pipeline_time: float | None = None,
+) -> Estimate:
+    """Predict ``plan``'s peak memory per GPU and step time for ``work`` on ``gpu`` GPUs of
+    ``cluster`` (NOTE [What the trainer keeps], NOTE [Where time goes]).
+
+    ``layout`` gives the pipeline stages (default: hp-trainer's split); ``held`` the
+    microbatch-stages each pipeline rank holds at its peak (default: the closed forms of
+    ``_pipeline.inflight``); ``pipeline_time`` the simulated makespan of the step's
+    microbatches (default: ``_pipeline.makespan``). The degrees are not checked here: the
+    search checks them with hp-trainer's own rules.
+
+    Example::
+
+        est = estimate(model_spec("llama3-8b"), Plan(1, 8, microbatches=8, recompute="full"),
+                       Workload(64, 8192), load_gpu("h200"), load_cluster("h200"))
+        est.memory.peak / 2**30, est.time.total, est.mfu
+    """
+    _check_types("estimate", spec=spec, plan=plan, work=work, gpu=gpu, cluster=cluster)
+    ev = Evaluator(spec, work, gpu, cluster)
+    return ev.estimate(plan, layout=layout, held=held, pipeline_time=pipeline_time)
+
+
+_EXPECTED = {
+    "spec": (ModelSpec, 'model_spec("llama3-8b")'),
+    "plan": (Plan, "Plan(dp_replicate, dp_shard, ...)"),
+    "work": (Workload, "Workload(global_batch, seq_len)"),
+    "gpu": (GpuCalibration, 'load_gpu("h200")'),
+    "cluster": (Cluster, 'load_cluster("h200")'),
+}
+
+
+def _check_types(fn: str, **args) -> None:
+    """:class:`PlanTypeError` naming the first argument of the wrong type and what to pass."""
+    for name, value in args.items():
+        cls, how = _EXPECTED[name]
+        if not isinstance(value, cls):
+            raise PlanTypeError(
+                f"{fn}: {name}={value!r} is a {type(value).__name__}: give a {cls.__name__}, "
+                f"e.g. {how}"
+            )
+
+
+def _check_plan(plan: Plan, work: Workload) -> None:
+    """The divisibility the estimate relies on; :class:`PlanError` names the argument."""
+    per = plan.dp * plan.microbatches
+    if work.global_batch % per:
+        raise PlanError(
+            f"estimate: work.global_batch={work.global_batch} is not divisible by dp x "
+            f"microbatches = {plan.dp} x {plan.microbatches} = {per}: change global_batch, "
+            "the data-parallel degrees or plan.microbatches"
+        )
+    if work.seq_len % plan.cp:
+        raise PlanError(
+            f"estimate: work.seq_len={work.seq_len} is not divisible by plan.cp={plan.cp}"
+        )
+    if plan.etp not in (1, plan.tp):
+        raise PlanError(f"estimate: plan.etp={plan.etp} must be 1 or plan.tp={plan.tp}")

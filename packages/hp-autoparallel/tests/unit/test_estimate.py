@@ -1,0 +1,290 @@
+"""The memory and step-time models against values worked out by hand here, on Llama 3 8B with
+a calibration and a cluster of round numbers (zero latency), so every term can be followed."""
+
+import dataclasses
+
+import pytest
+
+from hp_autoparallel import (
+    Cluster,
+    GpuCalibration,
+    Link,
+    Plan,
+    StageLayout,
+    Workload,
+    estimate,
+    load_cluster,
+    load_gpu,
+    model_spec,
+)
+
+GIB = 2**30
+GPU = GpuCalibration(
+    name="test",
+    memory=100 * GIB,
+    peak_flops=1e15,
+    compute_dtype="bfloat16",
+    matmul_flops=1e15,
+    attention_flops=5e14,
+    grouped_gemm_flops=5e14,
+    memory_bandwidth=1e12,
+    host_bandwidth=1e10,
+    selective_overhead=1e-3,
+    swap_overhead=2e-3,
+    cp_step_overhead=0.0,
+    cp_merge_bytes=0.0,
+    fragmentation=1.25,
+    runtime_reserve=1 * GIB,
+)
+FAST = Link(0.0, 1e12, 1e12, 1e12, 1e12, 1e12)  # collectives that hide under compute
+CLUSTER = Cluster("test", 8, FAST, FAST)
+SPEC = model_spec("llama3-8b")  # d 4096, 32 blocks, 32 heads / 8 kv of 128, ffn 14336
+WORK = Workload(32, 4096)
+D, L, H, KV, HD, F, V = 4096, 32, 32, 8, 128, 14336, 128256
+P = 8_030_261_248  # parameters (test_spec checks the count against hp-trainer's)
+BLOCK = 218_103_808 + 2 * D  # projections and the two norms
+ROOT = V * D + V * D + D  # embedding, output, final norm
+T = 4096  # tokens per microbatch: one sequence
+
+
+def _acts_none(tp=1):
+    """Bytes one block saves without recomputation, per token (NOTE [Saved activations])."""
+    attn = D / tp + D + (H + 2 * KV) * HD / tp + H * HD / tp + H / tp * 4 / 2
+    ffn = D / tp + D + 4 * F / tp
+    return (attn + ffn) * 2
+
+
+def test_memory_fsdp_by_hand():
+    est = estimate(SPEC, Plan(1, 8, microbatches=4), WORK, GPU, CLUSTER)
+    m = est.memory
+    assert m.parameters == pytest.approx(P / 8 * 4)
+    assert m.gradients == pytest.approx(P / 8 * 4)
+    assert m.optimizer == pytest.approx(P / 8 * 8)
+    # the largest block gathered (bf16, twice: in use and prefetched), its bf16 gradients,
+    # two fp32 reduce-scatter buffers; the root kept gathered with its gradients
+    assert m.fsdp_buffers == pytest.approx(BLOCK * (2 * 2 + 2 + 2 * 4) + ROOT * 2 * 2)
+    assert m.activations == pytest.approx(L * T * _acts_none())
+    # logits in bf16 and fp32 and the fp32 log-softmax, the head's inputs; their gradients
+    assert m.logits == pytest.approx(T * (V * 10 + 2 * D * 2) + T * V * 6)
+    assert m.other == 0
+    assert m.allocated == pytest.approx(
+        m.parameters + m.gradients + m.optimizer + m.fsdp_buffers + m.activations + m.logits
+    )
+    assert m.peak == pytest.approx(m.allocated * 1.25 + GIB)
+
+
+def test_fragmentation_and_reserve_come_from_the_calibration():
+    plan = Plan(1, 8, microbatches=4)
+    plain = dataclasses.replace(GPU, fragmentation=1.0, runtime_reserve=0.0)
+    a = estimate(SPEC, plan, WORK, GPU, CLUSTER).memory
+    b = estimate(SPEC, plan, WORK, plain, CLUSTER).memory
+    assert b.peak == pytest.approx(b.allocated) == pytest.approx(a.allocated)
+    assert a.peak == pytest.approx(1.25 * a.allocated + GIB)
+
+
+def test_recompute_modes_by_hand():
+    def acts(mode):
+        return estimate(SPEC, Plan(1, 8, microbatches=4, recompute=mode), WORK, GPU, CLUSTER)
+
+    none, sel, full, swap = (acts(m) for m in ("none", "selective", "full", "swap"))
+    whole = T * _acts_none()
+    # full: each block's input, plus one block's whole set while it is recomputed
+    assert full.memory.activations == pytest.approx(L * T * D * 2 + whole)
+    # selective: the input, q/k/v, wo's output (before its reduce-scatter), attention output
+    # and log-sum-exp, w1 / w3 / w2 outputs
+    kept = D + (H + 2 * KV) * HD + D + H * HD + H * 2 + 2 * F + D
+    assert sel.memory.activations == pytest.approx(L * T * kept * 2 + whole)
+    # swap: hp-offload's 1 GiB in-flight window and two blocks being prefetched
+    assert swap.memory.activations == pytest.approx(GIB + 2 * whole)
+    assert none.memory.activations > sel.memory.activations > full.memory.activations
+    # time: full recomputation runs each block's forward again
+    mm = 2 * T * 218_103_808 / 1e15
+    at = T * 4096 * H * 256 / 5e14
+    el = T * (10 * D + 4 * (H + KV) * HD + 3 * F) * 2 / 1e12
+    assert full.time.recompute == pytest.approx(4 * L * (mm + at + el))
+    assert sel.time.recompute == pytest.approx(4 * L * (el + 1e-3))
+    assert none.time.recompute == 0
+
+
+def test_step_time_fsdp_by_hand():
+    est = estimate(SPEC, Plan(1, 8, microbatches=4), WORK, GPU, CLUSTER)
+    t = est.time
+    mm = 2 * T * 218_103_808 / 1e15  # the block's GEMMs
+    at = T * 4096 * H * (HD + HD) / 5e14  # causal attention: half of the s x s pairs, x 2
+    el = T * (10 * D + 4 * (H + KV) * HD + 3 * F) * 2 / 1e12  # norms, RoPE, SwiGLU, residuals
+    block = (mm + at + el) + (mm + 2.5 * at + 2 * el) + mm  # forward, input grad, weight grad
+    head = 3 * (2 * T * D * V / 1e15) + T * V * (16 + 20) / 1e12
+    assert t.compute == pytest.approx(4 * (L * block + head))
+    # FSDP: gathers (bf16) and reduce-scatters (fp32) over 8 ranks, 7/8 of the bytes each;
+    # exposed: the root's and the first block's gathers, the last block's gather at the start
+    # of backward, the first block's and the root's reductions; the rest hides under compute
+    ag, rs = 7 / 8 * BLOCK * 2 / 1e12, 7 / 8 * BLOCK * 4 / 1e12
+    root_ag, root_rs = 7 / 8 * ROOT * 2 / 1e12, 7 / 8 * ROOT * 4 / 1e12
+    assert t.fsdp_exposed == pytest.approx(4 * (root_ag + 2 * ag + rs + root_rs))
+    assert t.optimizer == pytest.approx(P / 8 * 32 / 1e12)
+    assert t.tp_comm == t.cp_comm == t.ep_comm == t.pp_bubble == 0
+    assert t.total == pytest.approx(t.compute + t.fsdp_exposed + t.optimizer)
+    tps = 32 * 4096 / t.total / 8
+    assert est.tokens_per_s_per_gpu == pytest.approx(tps)
+    assert est.mfu == pytest.approx(tps * SPEC.flops_per_token(4096) / 1e15)
+
+
+def test_tensor_parallel_comm_by_hand():
+    slow = Link(0.0, 1e11, 1e11, 1e11, 1e11, 1e11)
+    est = estimate(SPEC, Plan(1, 4, tp=2, microbatches=8), WORK, GPU, Cluster("t", 8, slow, slow))
+    # per block and microbatch: 2 all-gathers + 2 reduce-scatters of the whole sequence's
+    # hidden states forward, the same backward; half the bytes cross over 2 ranks
+    x = 1 / 2 * T * D * 2 / 1e11
+    # the embedding's reduce-scatter and its backward's gather; the head's input gather and
+    # its backward's reduce-scatter, and the logits' gather over tp
+    ends = 2 * x + 2 * x + 1 / 2 * T * V * 2 / 1e11
+    assert est.time.tp_comm == pytest.approx(8 * (L * 8 * x + ends))
+    # tensor parallelism halves the projections' activations and their shards
+    assert est.memory.activations == pytest.approx(L * T * _acts_none(tp=2))
+    assert est.memory.parameters == pytest.approx(
+        (P - L * 2 * D - D) / 8 * 4 + (L * 2 + 1) * D / 4 * 4
+    )
+
+
+def test_pipeline_ranks_hold_their_in_flight_microbatches():
+    plan = Plan(1, 4, pp=2, schedule="1f1b", microbatches=8)
+    est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
+    assert est.layout == StageLayout(((0, 17), (17, 32)), (0, 1))  # hp-trainer's split
+    # rank 0 holds 2 microbatches of its 17 blocks; rank 1 one of its 15, plus the logits,
+    # which make it the fullest
+    r1 = 15 * T * _acts_none()
+    assert est.memory.rank == 1 and est.memory.activations == pytest.approx(r1)
+    gp = estimate(SPEC, dataclasses.replace(plan, schedule="gpipe"), WORK, GPU, CLUSTER)
+    assert gp.memory.activations in (
+        pytest.approx(8 * 17 * T * _acts_none()),
+        pytest.approx(8 * r1),
+    )
+    # the pipeline keeps each stage gathered for the step (bf16 parameters and gradients)
+    stage1 = 15 * BLOCK + V * D + D
+    assert est.memory.fsdp_buffers == pytest.approx(
+        max(stage1 * 4, stage1 * 8 - r1 - est.memory.logits)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_last_stage_keeps_every_microbatchs_logits(schedule):
+    # hp_pipeline stores each microbatch's detached logits on the last stage under every
+    # schedule and concatenates them at the end of step(): 2 x m x tokens x vocab x bf16
+    m = 8
+    plan = Plan(1, 4, pp=2, schedule=schedule, microbatches=m)
+    est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
+    keep = m if schedule == "gpipe" else 1
+    one = T * (V * 10 + 2 * D * 2)
+    assert est.memory.rank == 1
+    assert est.memory.logits == pytest.approx(keep * one + T * V * 6 + 2 * m * T * V * 2)
+
+
+def test_autocast_copies_without_fsdp_under_full_recompute():
+    # dp x cp == 1: autocast caches every bf16 weight copy until the forward ends, so under
+    # full recomputation all are alive at the forward's peak
+    work = Workload(4, 4096)
+    est = estimate(SPEC, Plan(1, 1, microbatches=4, recompute="full"), work, GPU, CLUSTER)
+    copies = P * 2
+    window = T * _acts_none()
+    assert est.memory.activations == pytest.approx(L * T * D * 2 + window)
+    assert est.memory.other == pytest.approx(max(copies - window, copies / L))
+    assert est.memory.other > copies / 2
+
+
+def test_shipped_h200_prediction_is_sane():
+    est = estimate(
+        SPEC,
+        Plan(1, 8, microbatches=4, recompute="full"),
+        WORK,
+        load_gpu("h200"),
+        load_cluster("h200"),
+    )
+    assert 0.2 < est.mfu < 0.7  # a real model on the shipped calibration
+    assert est.memory.peak < 139 * GIB
+
+
+MOE = model_spec("qwen3-30b-a3b")  # 48 MoE blocks: 128 experts of 768, top-8, d 2048
+
+
+def _moe_params():
+    blk = MOE.layer_params(0)
+    root = MOE.embedding_params() + MOE.head_params().tp
+    return 48 * blk.tp + root, 48 * blk.replicated + MOE.dim, 48 * blk.experts
+
+
+@pytest.mark.parametrize(
+    "plan,dense_shard,repl_shard,expert_shard",
+    [
+        (Plan(1, 16, ep=8), 16, 16, 16),  # experts over ep 8 x efsdp 2
+        (Plan(1, 8, tp=2, ep=8, etp=2), 16, 8, 16),  # experts over ep x tp, no FSDP
+        (Plan(1, 8, tp=2, etp=2), 16, 8, 16),  # experts split over tp, then FSDP over 8
+        (Plan(1, 8, tp=2), 16, 8, 8),  # experts whole on each tp rank, FSDP over 8
+        (Plan(2, 4, tp=2), 8, 4, 4),  # HSDP: sharded over 4, replicated over 2
+    ],
+)
+def test_expert_and_dense_shards(plan, dense_shard, repl_shard, expert_shard):
+    tp_params, repl, experts = _moe_params()
+    est = estimate(MOE, plan, Workload(64, 2048), GPU, CLUSTER)
+    per_rank = tp_params / dense_shard + repl / repl_shard + experts / expert_shard
+    assert est.memory.parameters == pytest.approx(per_rank * 4)
+    assert est.memory.optimizer == pytest.approx(per_rank * 8)
+
+
+def test_expert_all_to_all_by_hand():
+    bw = 1e11
+    link = Link(0.0, bw, bw, bw, bw, bw)
+    plan = Plan(1, 8, ep=8, microbatches=4)  # 64 / 8 = 8 sequences per rank, 2 per microbatch
+    est = estimate(MOE, plan, Workload(64, 2048), GPU, Cluster("t", 8, link, link))
+    tokens = 2 * 2048
+    # dispatch and combine forward, their adjoints backward: 4 all-to-alls per MoE block and
+    # microbatch, each sending top_k copies of every token, 7/8 of them to other ranks
+    one = 7 / 8 * tokens * 8 * 2048 * 2 / bw
+    assert est.time.ep_comm == pytest.approx(4 * 48 * 4 * one)
+
+
+@pytest.mark.parametrize(
+    "plan, work, arg",
+    [
+        (Plan(1, 8, microbatches=3), WORK, "global_batch"),
+        (Plan(1, 4, cp=2), Workload(32, 4095), "seq_len"),
+        (Plan(1, 2, tp=4, ep=2, etp=2), WORK, "etp"),
+    ],
+)
+def test_estimate_checks_divisibility(plan, work, arg):
+    from hp_autoparallel import PlanError
+
+    with pytest.raises(PlanError, match=arg):
+        estimate(SPEC, plan, work, GPU, CLUSTER)
+
+
+@pytest.mark.parametrize(
+    "args, arg",
+    [
+        (("llama3-8b", Plan(1, 8), WORK, GPU, CLUSTER), "spec"),
+        ((SPEC, Plan(1, 8), WORK, "h200", CLUSTER), "gpu"),
+        ((SPEC, Plan(1, 8), (32, 4096), GPU, CLUSTER), "work"),
+        ((SPEC, (1, 8), WORK, GPU, CLUSTER), "plan"),
+        ((SPEC, Plan(1, 8), WORK, GPU, "h200"), "cluster"),
+    ],
+)
+def test_estimate_names_an_argument_of_the_wrong_type(args, arg):
+    from hp_autoparallel import PlanTypeError
+
+    with pytest.raises(PlanTypeError, match=f"{arg}=.*give a "):
+        estimate(*args)
+
+
+def test_swap_is_checked_against_host_memory():
+    plan = Plan(1, 8, microbatches=4, recompute="swap")
+    est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
+    assert est.memory.host == pytest.approx(L * T * _acts_none())  # every saved activation
+    assert est.fits(GPU)  # no host figure: unchecked
+    small = dataclasses.replace(GPU, host_memory=est.memory.host / 2)
+    assert not est.fits(small) and not est.fits_host(small)
+    assert est.fits(dataclasses.replace(GPU, host_memory=est.memory.host * 2))
+    assert estimate(SPEC, Plan(1, 8, microbatches=4), WORK, GPU, CLUSTER).memory.host == 0
+
+
+def test_shipped_calibrations_give_host_memory():
+    assert load_gpu("h200").host_memory == 70 * GIB
+    assert load_gpu("cpu").host_memory == 5 * GIB
