@@ -141,10 +141,32 @@ def _constraints(session: nox.Session) -> list[str]:
     return ["-c", str(path)]
 
 
+# torch, installed once for every test session (see _share_torch)
+SHARED_TORCH = ROOT / ".nox" / "_shared_torch"
+
+
+def _share_torch(session: nox.Session, pin: list[str]) -> None:
+    """Make the pinned torch importable in this session's virtualenv without installing it
+    again: it is the same CPU build in every package's session, and installing it took about
+    a minute each. It goes once into a shared folder (``pip install --target``), which a
+    ``.pth`` file puts on this virtualenv's path; pip then sees it as installed. Everything
+    else (numpy, the test tools, the packages and their dependencies) still goes into each
+    session's own virtualenv, so a package that leans on an undeclared dependency fails."""
+    stamp = SHARED_TORCH / ".hp-installed"
+    if not stamp.is_file() or stamp.read_text() != TORCH:
+        session.install("--target", str(SHARED_TORCH), "--upgrade", TORCH, *pin)
+        stamp.write_text(TORCH)
+    purelib = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    )
+    Path(str(purelib).strip(), "_hp_shared_torch.pth").write_text(f"{SHARED_TORCH}\n")
+
+
 def _install_with_torch(session: nox.Session, packages: list[str], extra: list[str]) -> None:
-    """torch first (pinned), then numpy and ``extra``, then ``-e`` of the local packages."""
+    """torch first (pinned, shared: :func:`_share_torch`), then numpy and ``extra``, then
+    ``-e`` of the local packages."""
     pin = _constraints(session)
-    session.install(TORCH, *pin)
+    _share_torch(session, pin)
     session.install("numpy", *extra, *pin)  # torch does not install numpy
     editable = [arg for name in packages for arg in ("-e", PACKAGES[name].rel)]
     if editable:
