@@ -33,7 +33,7 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _train(name, model, batches, dev, lr, forward):
+def _train(name, model, batches, dev, lr, forward, fused=False):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=dev.type == "cuda")
     losses, times = [], []
     if dev.type == "cuda":
@@ -42,8 +42,11 @@ def _train(name, model, batches, dev, lr, forward):
     for x, y in batches:
         _sync(dev)
         t0 = time.perf_counter()
-        logits = forward(model, x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        if fused:  # the output projection and the loss fused over token chunks
+            loss = model(x, targets=y)
+        else:
+            logits = forward(model, x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -74,6 +77,12 @@ def main() -> int:
         action="store_true",
         help="compile both models' blocks (torch.compile per block, MoE layers left eager: "
         "hp_trainer's training.compile, and the same regional compile of transformers' layers)",
+    )
+    ap.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="ours computes the output projection and the loss fused over token chunks "
+        "(training.fused_loss); transformers keeps its logits",
     )
     args = ap.parse_args()
     import transformers
@@ -118,7 +127,8 @@ def main() -> int:
         ("transformers", hf, lambda m, x: m(input_ids=x).logits),
     ]
     for name, model, fwd in runs:
-        results[name] = _train(name, model, batches, dev, args.lr, fwd)
+        fused = args.fused_loss and name == "ours"
+        results[name] = _train(name, model, batches, dev, args.lr, fwd, fused)
     tokens = args.batch * args.seq
     fpt = cfg.flops_per_token(args.seq)
     peak_flops = None
@@ -130,6 +140,7 @@ def main() -> int:
         f"{dev}, torch {torch.__version__}, transformers {transformers.__version__} "
         f"(experts_implementation={args.hf_experts})"
         + (", blocks compiled" if args.compile else "")
+        + (", ours with the fused loss" if args.fused_loss else "")
         + (f", {torch.cuda.get_device_name()}" if dev.type == "cuda" else "")
     )
     print("| impl | ms/step (median) | tokens/s | MFU | peak GiB | first loss | last loss |")

@@ -153,6 +153,26 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Transforme
         conv_kernel=mc.linear_conv_kernel if mc.architecture == "qwen3_5" else None,
     )
     check_parallelize_config(pd, parallelize_config(cfg))
+    if t.fused_loss:
+        wrong = [
+            f"{k}={v}"
+            for k, v in (
+                ("tensor_parallel_degree", pd.tp),
+                ("pipeline_parallel_degree", pd.pp),
+                ("context_parallel_degree", pd.cp),
+            )
+            if v > 1
+        ]
+        if wrong or mc.mtp_layers:
+            what = ", ".join(
+                wrong + ([f"model.mtp_layers={mc.mtp_layers}"] if mc.mtp_layers else [])
+            )
+            raise ConfigError(
+                f"training.fused_loss=true fuses the output projection and the loss on one "
+                f"process or under FSDP; not with {what} (a vocabulary-split head, a pipeline's "
+                "loss function, sequence shards or the MTP loss on the logits): set them to 1 "
+                "(model.mtp_layers=0), or leave fused_loss false"
+            )
     if p.pipeline_cuda_graphs:
         if pd.pp == 1:
             raise ConfigError(
@@ -531,7 +551,10 @@ class LLMTrainer:
                 step, self.dp_rank, self.parallel_dims.dp, self.micro_batches
             ):
                 x, y = self._local(x), self._local(y)
-                loss = _loss(self.model(x), y) / self.micro_batches
+                if self.config.training.fused_loss:
+                    loss = self.model(x, targets=y) / self.micro_batches
+                else:
+                    loss = _loss(self.model(x), y) / self.micro_batches
                 loss.backward()
                 total += loss.detach()
         swapped = [m.step() for m in self._swap_managers]  # host buffers back to the pool

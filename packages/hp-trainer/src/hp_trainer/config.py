@@ -62,6 +62,9 @@ class Training:
     seed: int = 0
     deterministic: bool = False
     compile: bool = False  # torch.compile each transformer block (one process or FSDP)
+    # the output projection and the loss fused over token chunks (models.linear_cross_entropy):
+    # no [tokens, vocabulary] logits; one process or FSDP, without multi-token prediction
+    fused_loss: bool = False
     # a step whose loss or gradient norm is not finite: "stop" (write a checkpoint of the last
     # good step and stop) or "skip" (leave the parameters as they were and go on)
     on_nonfinite: str = "stop"

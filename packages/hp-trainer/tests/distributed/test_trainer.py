@@ -1,4 +1,5 @@
-"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 (also with async TP), HSDP 2 x 2, PP 2 x FSDP 2
+"""LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 (also with async TP), HSDP 2 x 2 (with the fused
+output projection and loss), PP 2 x FSDP 2
 (1F1B, activation checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2
 ring, CP 2 x TP 2 all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP;
 FSDP 4 with CPU offload and a swap / selective-recomputation plan) give the one-process losses
@@ -55,8 +56,10 @@ PAR = {
     # fused into their matmuls (hp-kernels' MC2 through shared memory)
     "fsdp2xtp2-async": "--parallelism.data_parallel_shard_degree 2 "
     "--parallelism.tensor_parallel_degree 2 --parallelism.async_tp true",
-    "hsdp2x2": "--parallelism.data_parallel_replicate_degree 2 "
-    "--parallelism.data_parallel_shard_degree 2",
+    # HSDP with the output projection and the loss fused (inside the root's forward, where
+    # FSDP has gathered the output weight)
+    "hsdp2x2-fused-loss": "--parallelism.data_parallel_replicate_degree 2 "
+    "--parallelism.data_parallel_shard_degree 2 --training.fused_loss true",
     "pp2xfsdp2-ac": "--parallelism.pipeline_parallel_degree 2 "
     "--parallelism.data_parallel_shard_degree 2 --parallelism.pipeline_microbatches 2 "
     "--training.local_batch_size 0 --activation_checkpoint.mode full",

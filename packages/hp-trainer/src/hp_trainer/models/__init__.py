@@ -3,6 +3,7 @@ configurations, and HuggingFace checkpoint loading/saving."""
 
 from ._config import CONFIGS, TransformerConfig, get_config
 from ._hf import from_pretrained, hf_name, our_name, save_pretrained
+from ._loss import linear_cross_entropy
 from ._transformer import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "from_pretrained",
     "get_config",
     "hf_name",
+    "linear_cross_entropy",
     "our_name",
     "save_pretrained",
 ]

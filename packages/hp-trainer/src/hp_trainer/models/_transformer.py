@@ -257,9 +257,14 @@ class Transformer(nn.Module):
         if self.mtp is not None:
             self.mtp_loss = torch.zeros((), device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``[b, s]`` -> logits ``[b, s, vocab]``. A pipeline stage without the
-        embedding takes hidden states, one without the output returns them."""
+        embedding takes hidden states, one without the output returns them.
+
+        With ``targets`` (``[b, s]`` token ids, -100 ignored) it returns the mean
+        cross-entropy loss instead, the output projection and the loss fused over token
+        chunks (:func:`linear_cross_entropy`): the logits of the whole batch never exist.
+        Not with multi-token prediction (its loss rides on the logits)."""
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.config.max_seq_len:
                 raise ValueError(
@@ -272,6 +277,15 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
+        if targets is not None:
+            if self.output is None or self.mtp is not None:
+                raise ValueError(
+                    "Transformer.forward: targets (the fused loss) needs the output "
+                    "projection and no multi-token prediction: call it without targets"
+                )
+            from ._loss import linear_cross_entropy
+
+            return linear_cross_entropy(h, self.output.weight, targets)
         out = self.output(h) if self.output is not None else h
         if self.mtp is not None and self.training and torch.is_grad_enabled():
             out = self._attach_mtp(out, h, tokens)

@@ -1,0 +1,121 @@
+"""The output projection and the cross-entropy loss in one pass over token chunks, without the
+``[tokens, vocabulary]`` logits of the whole batch (the Liger-kernel idea, in plain torch).
+
+For each chunk of tokens the logits are computed, the loss and the gradient of the logits
+(``softmax - one_hot``) taken at once in float32, and the gradients of the hidden states and
+of the weight accumulated; only those two are kept for backward. With a 129K vocabulary and 8K
+tokens a step, the float32 logits alone are 4.2 GB and the unfused loss makes several passes
+over them; here one chunk of logits lives at a time, and on CUDA the chunk's softmax, loss and
+gradient are one compiled kernel. The result equals ``F.cross_entropy(h @ weight.T, target)``
+(mean over the tokens that are not ``ignore_index``), up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear_cross_entropy"]
+
+
+def _loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    """(sum of the chunk's losses, gradient of that sum w.r.t. ``logits`` in its dtype)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    p = torch.exp(x - lse[:, None])
+    onehot = F.one_hot(safe, x.shape[-1]).to(p.dtype)
+    grad = torch.where(valid[:, None], p - onehot, 0.0)
+    return loss, grad.to(logits.dtype)
+
+
+_compiled = None
+
+
+def _chunk_fn(device_type: str):
+    global _compiled
+    if device_type != "cuda":  # compiling pays on the GPU; the CPU path stays eager
+        return _loss_and_grad
+    if _compiled is None:
+        _compiled = torch.compile(_loss_and_grad, dynamic=False)
+    return _compiled
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, target, chunk: int, ignore_index: int):
+        fn = _chunk_fn(h.device.type)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        count = (target != ignore_index).sum().clamp(min=1)
+        dh = torch.empty_like(h) if need_h else None
+        acc = torch.promote_types(h.dtype, torch.float32)  # sums in float32 at least
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=acc, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s : s + chunk]
+            loss, g = fn(hc @ weight.t(), target[s : s + chunk], ignore_index)
+            total += loss
+            if need_h:
+                torch.mm(g, weight, out=dh[s : s + chunk])
+            if need_w:  # the chunks' products summed in float32 (at least)
+                if dw.dtype == g.dtype:
+                    dw.addmm_(g.t(), hc)
+                else:
+                    dw += (g.t() @ hc).to(acc)
+        scale = 1.0 / count.to(acc)
+        ctx.save_for_backward(dh, dw, scale)
+        ctx.weight_dtype = weight.dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh, dw, scale = ctx.saved_tensors
+        f = grad * scale
+        gh = (dh * f.to(dh.dtype)) if dh is not None else None
+        gw = (dw * f).to(ctx.weight_dtype) if dw is not None else None
+        return gh, gw, None, None, None
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    chunk_size: int = 4096,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``F.cross_entropy(h @ weight.T, target)`` (the mean over non-ignored tokens), computed
+    ``chunk_size`` tokens at a time so the logits of the whole batch never exist. ``h``:
+    ``[..., dim]`` hidden states; ``weight``: ``[vocab, dim]``; ``target``: ``h``'s leading
+    shape. Differentiable in ``h`` and ``weight``. Under autocast both are cast to its dtype
+    first, as ``F.linear`` would be."""
+    from ..errors import check_instance
+
+    check_instance(h, torch.Tensor, "h", "linear_cross_entropy", "give the hidden states")
+    check_instance(weight, torch.Tensor, "weight", "linear_cross_entropy", "give [vocab, dim]")
+    check_instance(target, torch.Tensor, "target", "linear_cross_entropy", "give token ids")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size!r} must be an int >= 1")
+    if weight.ndim != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: h is {tuple(h.shape)} and weight {tuple(weight.shape)}: "
+            "weight must be [vocab, dim] with dim = h.shape[-1]"
+        )
+    if tuple(target.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"linear_cross_entropy: target is {tuple(target.shape)}; h's tokens are "
+            f"{tuple(h.shape[:-1])}: give one target per token"
+        )
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        h, weight = h.to(dtype), weight.to(dtype)
+    elif weight.dtype != h.dtype:
+        weight = weight.to(h.dtype)
+    with torch.autocast(dev, enabled=False):
+        return _LinearCrossEntropy.apply(
+            h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), chunk_size, ignore_index
+        )
