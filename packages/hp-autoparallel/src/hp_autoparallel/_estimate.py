@@ -42,7 +42,8 @@ NOTE [Where time goes]
   host overhead; swap adds the copies that do not fit under compute and its per-block host
   overhead.
 - The optimizer step reads and writes the fp32 shards (AdamW and clipping: 32 bytes per
-  parameter) at memory bandwidth.
+  parameter) at the calibration's optimizer rate (``rates.optimizer_gbps``, measured by
+  ``hp-plan calibrate``; the memory bandwidth where the file has none).
 Not modelled yet: contention between collectives sharing a link, GEMMs slowed by concurrent
 communication kernels, host-bound steps (many small kernels), load imbalance between experts.
 """
@@ -600,7 +601,7 @@ class Evaluator:
             if plan.fsdp:
                 per_kind = self._stage(layout, rank.stages[0], plan, tokens)[1]
                 fsdp_t = max(fsdp_t, self._fsdp(layout, rank, plan, per_kind))
-            opt_t = max(opt_t, shard * _OPT_BYTES / gpu.memory_bandwidth)
+            opt_t = max(opt_t, shard * _OPT_BYTES / gpu.optimizer_rate)
         a = slowest
         bubble = transfers = 0.0
         if plan.pp > 1:

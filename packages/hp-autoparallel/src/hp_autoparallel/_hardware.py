@@ -102,6 +102,10 @@ class GpuCalibration:
     fragmentation: float
     runtime_reserve: float
     host_memory: float | None = None  # host RAM per GPU for swapped activations; None: unchecked
+    #: bytes/s of the optimizer step at the planner's 32 bytes per parameter (AdamW and
+    #: clipping, as hp-train runs them); None: ``memory_bandwidth`` (the file has no
+    #: ``rates.optimizer_gbps``)
+    optimizer_bandwidth: float | None = None
 
     @property
     def act_bytes(self) -> int:
@@ -148,7 +152,17 @@ class GpuCalibration:
                 if "host_memory_gib" in (doc.get("memory") or {})
                 else None
             ),
+            optimizer_bandwidth=(
+                num("rates", "optimizer_gbps") * 1e9
+                if "optimizer_gbps" in (doc.get("rates") or {})
+                else None
+            ),
         )
+
+    @property
+    def optimizer_rate(self) -> float:
+        """Bytes/s of the optimizer step (``optimizer_bandwidth``, else ``memory_bandwidth``)."""
+        return self.optimizer_bandwidth or self.memory_bandwidth
 
 
 def _data(kind: str) -> resources.abc.Traversable:

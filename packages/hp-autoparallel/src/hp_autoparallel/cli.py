@@ -8,6 +8,11 @@ the biggest cost), the best plan's time and memory by cause, and the path of the
 Mistakes (an unknown model or GPU kind, a cluster file with missing fields, a GPU count no
 configuration can use) print one message naming the argument and the nearest valid choice
 and exit with status 2.
+
+    hp-plan calibrate [--out FILE] [--quick]
+
+measures this machine's calibration file (``_calibrate``, imported only by this subcommand:
+it needs torch) and writes it; pass it back as ``hp-plan --gpu FILE``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="hp-plan",
         description="Search data / tensor / pipeline / context / expert parallelism, "
         "microbatches and recomputation for a model on N GPUs; print the ranking and write "
-        "an hp-train TOML for the best.",
+        "an hp-train TOML for the best. `hp-plan calibrate --help`: measure a calibration "
+        "file on this machine.",
     )
     ap.add_argument("--model", required=True, help="a model of hp-trainer's registry")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs to use, all of them")
@@ -63,7 +69,12 @@ def _check_positive(value: int, flag: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hp-plan`` command; returns the exit status (2 for a mistake in the inputs)."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "calibrate":
+        from ._calibrate import main as calibrate_main  # torch: only for this subcommand
+
+        return calibrate_main(argv[1:])
+    args = _parser().parse_args(argv)
     try:
         for flag, value in (
             ("--gpus", args.gpus),

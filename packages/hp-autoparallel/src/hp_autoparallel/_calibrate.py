@@ -1,0 +1,694 @@
+"""``hp-plan calibrate``: measure a GPU kind's calibration file on this machine.
+
+Imported only by the ``calibrate`` subcommand (it imports torch, hp-trainer, hp-optim and
+hp-moe; the planning core does not). On CUDA (else the CPU) it measures, each as the median of
+timed repeats after warm-up calls, with ``torch.cuda.synchronize`` around every timed region:
+
+- the dense matmul rate at the GEMM shapes of the models the planner is checked on (the 1.3B
+  anchor and Llama-3.2-1B at 8192 tokens: projections, feed-forward, output heads);
+- causal SDPA forward + backward (heads of 128, sequences of 2048 and 4096), counted as the
+  planner counts it (``3.5 x tokens x seq x heads x (qk + v)``, NOTE [Where time goes]);
+- the grouped GEMM forward + backward through ``hp_moe.grouped_mm`` (``torch``'s grouped
+  matmul where it has one for the operands, else hp-moe's loop of matmuls, as hp-moe runs it);
+- device memory bandwidth (a large device-to-device copy, bytes read + written);
+- pinned host <-> device copies (the slower direction);
+- the optimizer hp-train runs (``hp_optim.AdamW`` and ``clip_grad_norm_``), as the bytes per
+  second the planner's 32 bytes per parameter take;
+- the caching allocator's fragmentation (reserved / allocated peak over real training steps of
+  a small model built by ``hp_trainer.LLMTrainer``) and the runtime reserve (device memory
+  used outside the caching allocator: CUDA context, cuBLAS / cuDNN workspaces);
+- device and host memory.
+
+The host overheads of selective recomputation and swap and the context-parallel constants are
+not measured by this version: they are copied from the shipped file of the same kind (or the
+nearest), and the written file says so field by field. The file is TOML that
+:meth:`GpuCalibration.from_toml` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._hardware import GIB, GpuCalibration, load_gpu, shipped_gpus
+from .errors import CalibrationError, PlanTypeError
+
+__all__ = ["Measured", "calibrate", "render"]
+
+#: datasheet dense bf16 rates (TFLOP/s) of GPU kinds the planner knows, for MFU
+DATASHEET_TFLOPS = {"h200": 989.4, "h100": 989.4, "a100": 312.0}
+
+
+@dataclass
+class Measured:
+    """One field of the calibration file: its value and where it comes from."""
+
+    value: float
+    how: str
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured, by ``(section, key)``, and the machine it ran on."""
+
+    name: str
+    compute_dtype: str
+    device: str
+    fields: dict[tuple[str, str], Measured] = field(default_factory=dict)
+
+    def set(self, section: str, key: str, value: float, how: str) -> None:
+        """Record ``section.key = value`` with its provenance ``how``."""
+        self.fields[(section, key)] = Measured(float(value), how)
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls, synchronised."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The shapes and repeat counts of one calibration run."""
+
+    matmuls: tuple[tuple[int, int, int], ...]
+    attention: tuple[tuple[int, int, int, int], ...]  # (batch, heads, seq, head_dim)
+    grouped: tuple[int, int, int, int]  # (rows, experts, in, out)
+    copy_bytes: int
+    host_bytes: int
+    optimizer: tuple[int, int, int]  # (tensors, rows, cols)
+    trainer: tuple[str, dict, int, int] | None  # (model, config overrides, batch, seq)
+    warmup: int
+    repeats: int
+
+
+# the 1.3B anchor (dim 2048, ffn 5632, vocab 32000) and Llama-3.2-1B (dim 2048, 8 key/value
+# heads of 64, ffn 8192, vocab 128256) at 4 x 2048 tokens: (m, n, k) of y[m, n] = x[m, k] w^T
+_GPU_MATMULS = (
+    (8192, 2048, 2048),  # wq / wk / wv / wo (1.3B), wq / wo (1B)
+    (8192, 512, 2048),  # wk / wv (1B)
+    (8192, 5632, 2048),  # w1 / w3 (1.3B)
+    (8192, 2048, 5632),  # w2 (1.3B)
+    (8192, 8192, 2048),  # w1 / w3 (1B)
+    (8192, 2048, 8192),  # w2 (1B)
+    (8192, 32000, 2048),  # output (1.3B)
+    (8192, 128256, 2048),  # output (1B)
+)
+# the trainer model of the fragmentation measurement: RESULTS.md's mid-size shape
+_FRAG_MODEL = dict(
+    architecture="llama",
+    vocab_size=32000,
+    dim=1024,
+    n_layers=8,
+    n_heads=8,
+    n_kv_heads=8,
+    ffn_hidden=2816,
+)
+
+_SIZES = {
+    ("cuda", False): _Sizes(
+        matmuls=_GPU_MATMULS,
+        attention=((4, 16, 2048, 128), (2, 16, 4096, 128)),
+        grouped=(16384 * 8, 64, 2048, 1408),
+        copy_bytes=1 << 30,
+        host_bytes=256 << 20,
+        optimizer=(24, 2048, 5632),
+        trainer=("hp-calibrate-mid", _FRAG_MODEL, 4, 1024),
+        warmup=3,
+        repeats=10,
+    ),
+    ("cuda", True): _Sizes(
+        matmuls=((4096, 2048, 2048), (4096, 5632, 2048)),
+        attention=((1, 16, 2048, 128),),
+        grouped=(8192, 8, 1024, 512),
+        copy_bytes=64 << 20,
+        host_bytes=32 << 20,
+        optimizer=(4, 1024, 1024),
+        trainer=("llama3-tiny", {}, 4, 256),
+        warmup=2,
+        repeats=3,
+    ),
+    ("cpu", False): _Sizes(
+        matmuls=((512, 512, 512), (1024, 1024, 1024), (1024, 2816, 1024)),
+        attention=((1, 8, 1024, 32), (1, 4, 1024, 128)),
+        grouped=(2048, 8, 256, 512),
+        copy_bytes=16 << 20,
+        host_bytes=16 << 20,
+        optimizer=(8, 512, 512),
+        trainer=None,
+        warmup=2,
+        repeats=5,
+    ),
+    ("cpu", True): _Sizes(
+        matmuls=((64, 64, 64), (64, 128, 64)),
+        attention=((1, 2, 64, 128),),
+        grouped=(128, 4, 32, 32),
+        copy_bytes=1 << 20,
+        host_bytes=1 << 20,
+        optimizer=(2, 64, 64),
+        trainer=None,
+        warmup=1,
+        repeats=3,
+    ),
+}
+
+
+# -- the measurements -----------------------------------------------------------------------------
+
+
+def _matmul(cal: Calibration, s: _Sizes, device, dtype) -> None:
+    import torch
+
+    flops = secs = 0.0
+    parts = []
+    for m, n, k in s.matmuls:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        t = _median_time(lambda x=x, w=w: x @ w.t(), device, warmup=s.warmup, repeats=s.repeats)
+        f = 2.0 * m * n * k
+        flops, secs = flops + f, secs + t
+        parts.append(f"{m}x{n}x{k} {f / t / 1e12:.3g}")
+    cal.set(
+        "rates",
+        "matmul_tflops",
+        flops / secs / 1e12,
+        f"measured: {cal.compute_dtype} x @ w.T, total FLOPs / total median time over (m, n, k) "
+        f"= {'; '.join(parts)} TFLOP/s",
+    )
+
+
+def _attention(cal: Calibration, s: _Sizes, device, dtype) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    flops = secs = 0.0
+    parts = []
+    for b, h, seq, hd in s.attention:
+        q, k, v = (
+            torch.randn(b, h, seq, hd, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        g = torch.randn(b, h, seq, hd, device=device, dtype=dtype)
+
+        def step(q=q, k=k, v=v, g=g):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            (dq, dk, dv) = torch.autograd.grad(out, (q, k, v), g)
+            return dq
+
+        t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+        f = 3.5 * (b * seq) * seq * h * (2 * hd)  # forward t x seq x h x (qk + v), x 3.5
+        flops, secs = flops + f, secs + t
+        parts.append(f"{b}x{seq} tokens {h} heads of {hd} {f / t / 1e12:.3g}")
+    cal.set(
+        "rates",
+        "attention_tflops",
+        flops / secs / 1e12,
+        "measured: causal scaled_dot_product_attention forward + backward, "
+        f"{cal.compute_dtype}, 3.5 x tokens x seq x heads x (qk + v) FLOPs: "
+        f"{'; '.join(parts)} TFLOP/s",
+    )
+
+
+def _grouped(cal: Calibration, s: _Sizes, device, dtype) -> None:
+    import torch
+
+    from hp_moe import grouped_mm, grouped_mm_supported
+
+    rows, experts, d_in, d_out = s.grouped
+    x = torch.randn(rows, d_in, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(experts, d_out, d_in, device=device, dtype=dtype, requires_grad=True)
+    per = rows // experts
+    offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per
+    g = torch.randn(rows, d_out, device=device, dtype=dtype)
+    path = "torch's grouped matmul" if grouped_mm_supported(x, w) else "hp_moe's loop of matmuls"
+
+    def step():
+        out = grouped_mm(x, w, offsets)
+        return torch.autograd.grad(out, (x, w), g)
+
+    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+    f = 3 * 2.0 * per * experts * d_in * d_out
+    cal.set(
+        "rates",
+        "grouped_gemm_tflops",
+        f / t / 1e12,
+        f"measured: hp_moe.grouped_mm ({path}) forward + backward, {cal.compute_dtype}, "
+        f"{rows} rows over {experts} experts (balanced), {d_in} -> {d_out}",
+    )
+
+
+def _bandwidth(cal: Calibration, s: _Sizes, device) -> None:
+    import torch
+
+    n = s.copy_bytes // 4
+    src = torch.empty(n, device=device, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), device, warmup=s.warmup, repeats=s.repeats)
+    bw = 2 * s.copy_bytes / t
+    cal.set(
+        "rates",
+        "memory_gbps",
+        bw / 1e9,
+        f"measured: a {s.copy_bytes >> 20} MiB device copy, bytes read + written",
+    )
+    if device.type != "cuda":
+        cal.set(
+            "rates",
+            "host_link_gbps",
+            bw / 1e9,
+            "measured: 'host' memory is the same memory here, a swap is a copy (memory_gbps)",
+        )
+        return
+    n = s.host_bytes // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
+    dev = torch.empty(n, device=device, dtype=torch.float32)
+    t_in = _median_time(
+        lambda: dev.copy_(host, non_blocking=True), device, warmup=s.warmup, repeats=s.repeats
+    )
+    t_out = _median_time(
+        lambda: host.copy_(dev, non_blocking=True), device, warmup=s.warmup, repeats=s.repeats
+    )
+    cal.set(
+        "rates",
+        "host_link_gbps",
+        s.host_bytes / max(t_in, t_out) / 1e9,
+        f"measured: pinned {s.host_bytes >> 20} MiB copies, the slower direction: "
+        f"host-to-device {s.host_bytes / t_in / 1e9:.1f}, device-to-host "
+        f"{s.host_bytes / t_out / 1e9:.1f} GB/s",
+    )
+
+
+def _optimizer(cal: Calibration, s: _Sizes, device) -> None:
+    import torch
+
+    try:
+        from hp_optim import AdamW, clip_grad_norm_
+
+        what = "hp_optim.AdamW (hp-train's, foreach) step + clip_grad_norm_"
+    except ImportError:  # pragma: no cover - hp-optim ships with hp-trainer
+        from torch.nn.utils import clip_grad_norm_
+        from torch.optim import AdamW
+
+        what = "torch.optim.AdamW step + clip_grad_norm_"
+    count, r, c = s.optimizer
+    params = [torch.nn.Parameter(torch.randn(r, c, device=device)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step():
+        clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+    n = count * r * c
+    cal.set(
+        "rates",
+        "optimizer_gbps",
+        32 * n / t / 1e9,
+        f"measured: {what} over {count} fp32 tensors of {r}x{c} ({n / 1e6:.3g} M parameters), "
+        "as the planner's 32 bytes per parameter per step",
+    )
+
+
+@contextlib.contextmanager
+def _registered(name: str, values: dict):
+    """``hp_trainer.models.CONFIGS[name]`` set to a configuration of ``values`` while inside
+    (nothing when ``values`` is empty: a model of the registry)."""
+    from hp_trainer.models import CONFIGS, TransformerConfig
+
+    if not values:
+        yield
+        return
+    CONFIGS[name] = TransformerConfig(**values)
+    try:
+        yield
+    finally:
+        CONFIGS.pop(name, None)
+
+
+def _trainer_memory(cal: Calibration, s: _Sizes, device, base: GpuCalibration) -> None:
+    import torch
+
+    if device.type != "cuda" or s.trainer is None:
+        cal.set(
+            "memory",
+            "fragmentation",
+            base.fragmentation,
+            f"not measured (no caching allocator on {device.type}): copied from the shipped "
+            f"{base.name!r} file",
+        )
+        rss = _rss_bytes()
+        cal.set(
+            "memory",
+            "runtime_reserve_gib",
+            rss / GIB,
+            "measured: this process's resident memory with torch and the packages imported",
+        )
+        return
+    from hp_trainer import LLMTrainer, load_config
+
+    name, values, batch, seq = s.trainer
+    steps = 3
+    with tempfile.TemporaryDirectory() as tmp, _registered(name, values):
+        cfg = load_config(
+            None,
+            [
+                f"--model.name={name}",
+                f"--training.seq_len={seq}",
+                f"--training.global_batch_size={batch}",
+                f"--training.steps={steps}",
+                "--training.mixed_precision_param=bfloat16",
+                "--activation_checkpoint.mode=none",
+                "--checkpoint.enable=false",
+                "--metrics.tensorboard=false",
+                "--metrics.plot=false",
+                f"--job.dump_folder={tmp}",
+            ],
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer = LLMTrainer(cfg)
+        for _ in range(steps):
+            trainer.train_step()
+        torch.cuda.synchronize(device)
+        alloc = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        free, total = torch.cuda.mem_get_info(device)
+        outside = total - free - torch.cuda.memory_reserved(device)
+        del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    shape = values or {"model": name}
+    desc = ", ".join(f"{k} {v}" for k, v in shape.items() if k != "architecture")
+    cal.set(
+        "memory",
+        "fragmentation",
+        max(1.0, reserved / alloc),
+        f"measured: max_memory_reserved / max_memory_allocated = {reserved / GIB:.2f} / "
+        f"{alloc / GIB:.2f} GiB over {steps} steps of hp_trainer.LLMTrainer ({desc}; batch "
+        f"{batch} x {seq}, bf16 autocast, no checkpointing)",
+    )
+    cal.set(
+        "memory",
+        "runtime_reserve_gib",
+        max(outside, 0) / GIB,
+        "measured: device memory in use outside the caching allocator after those steps "
+        "(total - free - reserved: CUDA context, cuBLAS / cuDNN workspaces; one process, so no "
+        "NCCL communicators)",
+    )
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _host_ram() -> tuple[int, str]:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+        return info["MemTotal"], "MemTotal"
+    except (OSError, KeyError, ValueError):  # pragma: no cover - not Linux
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical pages"
+
+
+def _device_memory(cal: Calibration, device, ranks: int) -> None:
+    import torch
+
+    ram, what = _host_ram()
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        cal.set(
+            "gpu",
+            "memory_gib",
+            total / GIB,
+            f"measured: torch.cuda.mem_get_info total of {torch.cuda.get_device_name(device)}",
+        )
+        cal.set(
+            "memory",
+            "host_memory_gib",
+            ram / ranks / GIB,
+            f"measured: host RAM ({what}, {ram / GIB:.0f} GiB) over the {ranks} GPU(s) of "
+            "this host",
+        )
+    else:
+        cal.set(
+            "gpu",
+            "memory_gib",
+            ram / ranks / GIB,
+            f"measured: host RAM ({what}, {ram / GIB:.1f} GiB) over {ranks} ranks",
+        )
+        cal.set(
+            "memory",
+            "host_memory_gib",
+            ram / ranks / GIB,
+            "measured: the same RAM as memory_gib (CPU ranks swap to the memory they use)",
+        )
+
+
+def _kind(device) -> str:
+    """The GPU kind's name: ``h200`` for an "NVIDIA H200", ``cpu`` on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    full = torch.cuda.get_device_name(device).lower()
+    for known in DATASHEET_TFLOPS:
+        if known in full:
+            return known
+    words = [w for w in full.replace("nvidia", "").split() if w.isalnum()]
+    return "-".join(words) or "gpu"
+
+
+def calibrate(
+    *,
+    quick: bool = False,
+    device: str | None = None,
+    ranks: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure this machine's calibration (module docstring). ``device`` is ``"cuda"`` or
+    ``"cpu"`` (default: CUDA when available); ``quick`` uses tiny sizes and few repeats (a
+    smoke test, seconds on a CPU); ``ranks`` is how many ranks share the host's memory (default:
+    the GPUs of the host, or 4 CPU ranks). ``log`` gets a line per measurement."""
+    import torch
+
+    if not isinstance(quick, bool):
+        raise PlanTypeError(f"calibrate: quick={quick!r} is a {type(quick).__name__}: give a bool")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise CalibrationError(f"calibrate: device={device!r}: use 'cuda' or 'cpu'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CalibrationError("calibrate: device='cuda' but torch sees no CUDA device: use 'cpu'")
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
+    dev = dev or torch.device("cpu")
+    if ranks is None:
+        ranks = torch.cuda.device_count() if device == "cuda" else 4
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise CalibrationError(f"calibrate: ranks={ranks!r} must be an int >= 1")
+    log = log or (lambda line: None)
+    kind = _kind(dev)
+    base_name = kind if kind in shipped_gpus() else ("h200" if device == "cuda" else "cpu")
+    base = load_gpu(base_name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cal = Calibration(
+        name=kind,
+        compute_dtype="bfloat16" if device == "cuda" else "float32",
+        device=torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
+    )
+    s = _SIZES[(device, quick)]
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # one thread per CPU rank, as the shipped cpu file
+    try:
+        steps = (
+            ("matmul", lambda: _matmul(cal, s, dev, dtype)),
+            ("attention", lambda: _attention(cal, s, dev, dtype)),
+            ("grouped GEMM", lambda: _grouped(cal, s, dev, dtype)),
+            ("bandwidths", lambda: _bandwidth(cal, s, dev)),
+            ("optimizer", lambda: _optimizer(cal, s, dev)),
+            ("memory", lambda: _device_memory(cal, dev, ranks)),
+            ("allocator", lambda: _trainer_memory(cal, s, dev, base)),
+        )
+        for what, fn in steps:
+            t0 = time.perf_counter()
+            fn()
+            log(f"calibrate: {what} measured in {time.perf_counter() - t0:.1f} s")
+    finally:
+        torch.set_num_threads(threads)
+    matmul = cal.fields[("rates", "matmul_tflops")].value
+    if kind in DATASHEET_TFLOPS:
+        cal.set(
+            "gpu",
+            "peak_tflops",
+            DATASHEET_TFLOPS[kind],
+            "datasheet dense bf16 rate (not measured: the MFU denominator, as hp-trainer's)",
+        )
+    else:
+        cal.set(
+            "gpu",
+            "peak_tflops",
+            matmul,
+            "no datasheet figure for this device: the measured matmul rate above",
+        )
+    copied = (
+        "not measured by this version of hp-plan calibrate: copied from the shipped "
+        f"{base.name!r} file"
+    )
+    cal.set("overheads", "selective_ms_per_layer", base.selective_overhead * 1e3, copied)
+    cal.set("overheads", "swap_ms_per_layer", base.swap_overhead * 1e3, copied)
+    cal.set("overheads", "cp_step_us", base.cp_step_overhead * 1e6, copied)
+    cal.set("overheads", "cp_merge_bytes_per_element", base.cp_merge_bytes, copied)
+    return cal
+
+
+# -- the file ---------------------------------------------------------------------------------
+
+_LAYOUT = (
+    ("gpu", ("memory_gib", "peak_tflops")),
+    (
+        "rates",
+        (
+            "matmul_tflops",
+            "attention_tflops",
+            "grouped_gemm_tflops",
+            "memory_gbps",
+            "host_link_gbps",
+            "optimizer_gbps",
+        ),
+    ),
+    (
+        "overheads",
+        ("selective_ms_per_layer", "swap_ms_per_layer", "cp_step_us", "cp_merge_bytes_per_element"),
+    ),
+    ("memory", ("fragmentation", "runtime_reserve_gib", "host_memory_gib")),
+)
+
+
+def _wrap(text: str, width: int = 96) -> list[str]:
+    words, lines, line = text.split(), [], "#"
+    for w in words:
+        if len(line) + 1 + len(w) > width and line != "#":
+            lines.append(line)
+            line = "#"
+        line += " " + w
+    lines.append(line)
+    return lines
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        raise CalibrationError(f"calibrate: a measured value is {v!r}: measure again")
+    return f"{v:.6g}" if ("e" not in f"{v:.6g}") else repr(v)
+
+
+def render(cal: Calibration) -> str:
+    """The calibration file's text (the format of ``data/gpus/h200.toml``), each field with a
+    comment saying how it was obtained."""
+    import platform
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:  # pragma: no cover
+        tv = "?"
+    head = (
+        f"{cal.device}: written by `hp-plan calibrate` on {time.strftime('%Y-%m-%d %H:%M')} "
+        f"with torch {tv}, Python {platform.python_version()}. Medians of timed repeats after "
+        "warm-up, synchronised. Each field says whether it was measured (and at what shapes) or "
+        "copied."
+    )
+    lines = _wrap(head) + [""]
+    for section, keys in _LAYOUT:
+        lines.append(f"[{section}]")
+        if section == "gpu":
+            lines.append(f'name = "{cal.name}"')
+            lines.append(f'compute_dtype = "{cal.compute_dtype}"')
+        for key in keys:
+            m = cal.fields.get((section, key))
+            if m is None:
+                raise CalibrationError(f"calibrate: {section}.{key} was not measured")
+            lines += _wrap(m.how)
+            lines.append(f"{key} = {_fmt(m.value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``hp-plan calibrate [--out FILE] [--quick] [--device cuda|cpu] [--ranks N]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="hp-plan calibrate",
+        description="Measure this machine's rates, bandwidths and allocator overheads and "
+        "write a GPU calibration file (pass it to hp-plan --gpu FILE).",
+    )
+    ap.add_argument("--out", help="the file to write (default: ./<kind>_calibrated.toml)")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes and few repeats (a smoke test)"
+    )
+    ap.add_argument("--device", choices=("cuda", "cpu"), help="default: CUDA when available")
+    ap.add_argument("--ranks", type=int, help="ranks sharing the host's memory")
+    args = ap.parse_args(argv)
+    try:
+        cal = calibrate(
+            quick=args.quick,
+            device=args.device,
+            ranks=args.ranks,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        out = Path(args.out or f"{cal.name}_calibrated.toml")
+        if out.parent and not out.parent.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render(cal))
+        loaded = GpuCalibration.from_toml(out)  # the file reads back with the package's loader
+    except CalibrationError as e:
+        print(f"hp-plan calibrate: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"hp-plan calibrate: {cal.device}: matmul {loaded.matmul_flops / 1e12:.4g}, attention "
+        f"{loaded.attention_flops / 1e12:.4g}, grouped GEMM {loaded.grouped_gemm_flops / 1e12:.4g} "
+        f"TFLOP/s; memory {loaded.memory_bandwidth / 1e9:.4g}, host link "
+        f"{loaded.host_bandwidth / 1e9:.4g}, optimizer {loaded.optimizer_rate / 1e9:.4g} "
+        f"GB/s; fragmentation {loaded.fragmentation:.3f}, reserve "
+        f"{loaded.runtime_reserve / GIB:.2f} GiB\nwrote {out}"
+    )
+    return 0

@@ -1,0 +1,114 @@
+"""``hp-plan calibrate --quick`` on the CPU: the written file reads back with the package's own
+loader, every field of the shipped format is there and positive, and each says how it was
+obtained; the planning core still imports no torch."""
+
+import subprocess
+import sys
+from importlib import resources
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import pytest
+
+from hp_autoparallel import CalibrationError, GpuCalibration, load_gpu
+from hp_autoparallel.cli import main
+
+FIELDS = {
+    "gpu": ("memory_gib", "peak_tflops"),
+    "rates": (
+        "matmul_tflops",
+        "attention_tflops",
+        "grouped_gemm_tflops",
+        "memory_gbps",
+        "host_link_gbps",
+        "optimizer_gbps",
+    ),
+    "overheads": (
+        "selective_ms_per_layer",
+        "swap_ms_per_layer",
+        "cp_step_us",
+        "cp_merge_bytes_per_element",
+    ),
+    "memory": ("fragmentation", "runtime_reserve_gib", "host_memory_gib"),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "sub" / "cpu_measured.toml"
+    assert main(["calibrate", "--quick", "--device", "cpu", "--out", str(out)]) == 0
+    return out
+
+
+def test_quick_file_loads_and_every_field_is_positive(written, capsys):
+    cal = GpuCalibration.from_toml(written)
+    assert load_gpu(str(written)) == cal
+    assert cal.name == "cpu" and cal.compute_dtype == "float32"
+    doc = tomllib.loads(written.read_text())
+    shipped = tomllib.loads(
+        resources.files("hp_autoparallel").joinpath("data/gpus/h200.toml").read_text()
+    )
+    for section, keys in shipped.items():  # every field of the shipped format is written
+        assert set(keys) <= set(doc[section]), section
+    for section, keys in FIELDS.items():
+        for key in keys:
+            v = doc[section][key]
+            assert isinstance(v, (int, float)) and v > 0, f"{section}.{key} = {v}"
+    for value in (
+        cal.matmul_flops,
+        cal.attention_flops,
+        cal.grouped_gemm_flops,
+        cal.memory_bandwidth,
+        cal.host_bandwidth,
+        cal.optimizer_rate,
+        cal.memory,
+        cal.runtime_reserve,
+        cal.host_memory,
+    ):
+        assert value > 0
+    assert cal.fragmentation >= 1.0
+
+
+def test_every_field_says_how_it_was_obtained(written):
+    lines = written.read_text().splitlines()
+    for i, line in enumerate(lines):
+        key = line.split(" = ")[0]
+        if any(key in keys for keys in FIELDS.values()):
+            comment = lines[i - 1]
+            assert comment.startswith("#"), key
+            block = " ".join(x for x in lines[max(0, i - 4) : i] if x.startswith("#"))
+            assert any(w in block for w in ("measured", "copied", "datasheet")), key
+
+
+def test_estimate_uses_the_measured_optimizer_rate(written, tmp_path):
+    from hp_autoparallel import Plan, Workload, estimate, load_cluster, model_spec
+
+    cal = GpuCalibration.from_toml(written)
+    text = written.read_text().replace("optimizer_gbps = ", "optimizer_gbps = 1e-3\n# was: ")
+    slow = tmp_path / "slow.toml"
+    slow.write_text(text)
+    slow_cal = GpuCalibration.from_toml(slow)
+    args = (model_spec("llama3-tiny"), Plan(1, 1), Workload(2, 64))
+    a = estimate(*args, cal, load_cluster("cpu")).time.optimizer
+    b = estimate(*args, slow_cal, load_cluster("cpu")).time.optimizer
+    assert b > a * 10
+
+
+def test_bad_arguments_are_named():
+    from hp_autoparallel._calibrate import calibrate
+
+    with pytest.raises(CalibrationError, match="device='tpu'"):
+        calibrate(device="tpu")
+    with pytest.raises(CalibrationError, match="ranks=0"):
+        calibrate(device="cpu", ranks=0, quick=True)
+
+
+def test_core_import_stays_torch_free():
+    code = (
+        "import sys, hp_autoparallel, hp_autoparallel.cli; "
+        "assert 'torch' not in sys.modules and 'hp_autoparallel._calibrate' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
