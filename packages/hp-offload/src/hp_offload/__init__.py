@@ -1,15 +1,10 @@
 """hp_offload: activation memory. Selective activation checkpointing (``checkpoint``,
 ``checkpoint_wrapper``, ``CheckpointPolicy``), activation swap to host memory with prefetch
 (``swap``, ``swap_wrapper``, ``SwapManager``), and both configured per layer (``OffloadPlan``).
+The same calls take MindSpore cells (``hp_offload._backend._mindspore``).
 """
 
-from ._checkpoint import (
-    CheckpointPolicy,
-    OffloadError,
-    OffloadTypeError,
-    checkpoint,
-    checkpoint_wrapper,
-)
+from ._checkpoint import CheckpointPolicy, checkpoint, checkpoint_wrapper
 from ._plan import OffloadPlan, apply_offload_plan
 from ._swap import (
     SwapManager,
@@ -20,6 +15,7 @@ from ._swap import (
     swap_tensor_wrapper,
     swap_wrapper,
 )
+from .errors import OffloadError, OffloadTypeError, OffloadUnsupportedError
 
 __version__ = "0.1.0"
 
@@ -28,6 +24,7 @@ __all__ = [
     "OffloadError",
     "OffloadPlan",
     "OffloadTypeError",
+    "OffloadUnsupportedError",
     "SwapManager",
     "SwapPolicy",
     "SwapStats",

@@ -10,23 +10,16 @@ import torch
 import torch.nn as nn
 from torch.utils import checkpoint as tc
 
+from .errors import OffloadError, OffloadTypeError, OffloadUnsupportedError
+
 __all__ = [
     "CheckpointPolicy",
     "OffloadError",
     "OffloadTypeError",
+    "OffloadUnsupportedError",
     "checkpoint",
     "checkpoint_wrapper",
 ]
-
-
-class OffloadError(ValueError):
-    """Bad checkpoint/swap arguments: an unknown op, overlapping plan patterns, a budget too
-    small for one layer."""
-
-
-class OffloadTypeError(OffloadError, TypeError):
-    """An hp_offload argument of the wrong type (a str for a tuple of op names, a policy that is
-    not a ``CheckpointPolicy``/``SwapPolicy``, a non-module to wrap); also a ``TypeError``."""
 
 
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
@@ -126,9 +119,28 @@ class CheckpointPolicy:
         return make
 
 
+def _framework_of_call(fn, args, kwargs) -> str | None:
+    """The framework of a call: of ``fn`` if it is a module or cell, else of its first tensor
+    argument (``hp_dtensor.framework_of``, the one framework check)."""
+    from hp_dtensor import framework_of
+
+    found = framework_of(fn)
+    if found is not None:
+        return found
+    for a in (*args, *kwargs.values()):
+        found = framework_of(a)
+        if found is not None:
+            return found
+    return None
+
+
 def checkpoint(fn: Callable, *args, policy: CheckpointPolicy | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only what ``policy`` saves; the rest is recomputed
-    in backward. Non-reentrant, so it composes with hooks, FSDP and pipeline stages."""
+    in backward. Non-reentrant, so it composes with hooks, FSDP and pipeline stages.
+
+    On MindSpore (``fn`` a cell, or its first tensor argument a MindSpore tensor): MindSpore's
+    non-reentrant ``mindspore.recompute``, PyNative mode, ``mode="full"`` only (``"selective"``
+    raises :class:`OffloadUnsupportedError`)."""
     from ._checks import check_callable, check_type
 
     check_callable(fn, "fn", "checkpoint")
@@ -140,6 +152,10 @@ def checkpoint(fn: Callable, *args, policy: CheckpointPolicy | None = None, **kw
                 "context_fn): drop it, and give the policy as policy=CheckpointPolicy(...)"
             )
     policy = CheckpointPolicy() if policy is None else policy
+    if _framework_of_call(fn, args, kwargs) == "mindspore":
+        from ._backend._mindspore import checkpoint_call
+
+        return checkpoint_call(fn, args, kwargs, policy)
     ctx = policy.context_fn()
     extra = {"context_fn": ctx} if ctx is not None else {}
     return tc.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
@@ -183,12 +199,23 @@ def _add_prefix(state_dict, prefix, *args, inner: str = _PREFIX):
 
 
 def checkpoint_wrapper(module: nn.Module, *, policy: CheckpointPolicy | None = None) -> nn.Module:
-    """Wrap ``module`` so its forward is checkpointed with ``policy`` (default: full)."""
+    """Wrap ``module`` so its forward is checkpointed with ``policy`` (default: full).
+
+    A MindSpore ``nn.Cell`` gets a cell whose forward runs under MindSpore's recompute (its
+    Parameters keep their names); only ``mode="full"`` can be honoured there."""
+    from hp_dtensor import framework_of
+
     from ._checks import check_module, check_type
 
-    check_module(module, "module", "checkpoint_wrapper")
+    mindspore = framework_of(module) == "mindspore"
+    if not mindspore:
+        check_module(module, "module", "checkpoint_wrapper")
     check_type(
         policy, CheckpointPolicy, "policy", "checkpoint_wrapper", hint="e.g. CheckpointPolicy()"
     )
     policy = CheckpointPolicy() if policy is None else policy
+    if mindspore:
+        from ._backend._mindspore import checkpoint_cell
+
+        return checkpoint_cell(module, policy)
     return _CheckpointWrapper(module, policy)

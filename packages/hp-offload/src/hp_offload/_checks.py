@@ -10,7 +10,7 @@ import numbers
 
 import torch.nn as nn
 
-from ._checkpoint import OffloadError, OffloadTypeError
+from .errors import OffloadError, OffloadTypeError
 
 __all__ = ["check_bool", "check_callable", "check_int", "check_module", "check_type"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ._checkpoint import OffloadError, OffloadTypeError
 from ._checks import check_bool, check_callable, check_int, check_module, check_type
+from .errors import OffloadError, OffloadTypeError
 
 __all__ = ["SwapManager", "SwapPolicy", "SwapStats", "swap", "swap_tensor_wrapper", "swap_wrapper"]
 
@@ -142,6 +142,9 @@ class SwapManager:
         self._marked: set[int] = set()
         self.stats = SwapStats()
         self._streams: dict = {}
+        # per-framework state of the bindings' regions this step (hp_offload._backend; the
+        # binding's own objects, keyed by framework), dropped by step()
+        self._bindings: dict[str, object] = {}
 
     # -- buffers ------------------------------------------------------------------------------
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -154,6 +157,12 @@ class SwapManager:
         self._held += size
         self._step_bufs.append(buf)
         return buf
+
+    def _host_bytes(self, nbytes: int):
+        """A pooled host buffer of at least ``nbytes`` bytes as a 1-D numpy uint8 array (shares
+        memory with the pool's buffer; back to the pool at :meth:`step`): what the bindings
+        of other frameworks copy saved tensors into."""
+        return self._buffer(nbytes).numpy()
 
     def _release(self, buf: torch.Tensor) -> None:
         self._held -= buf.numel()
@@ -385,6 +394,7 @@ class SwapManager:
             self._release(buf)
         self._step_bufs.clear()
         self._groups.clear()
+        self._bindings.clear()
         self._marked.clear()
         stats, self.stats = self.stats, SwapStats()
         stats.device_bytes = 0
@@ -392,9 +402,15 @@ class SwapManager:
 
     def mark(self, tensor: torch.Tensor) -> None:
         """Swap ``tensor`` whenever it is saved inside a region of this manager."""
+        if _framework(tensor) == "mindspore":
+            from ._backend._mindspore import mark
+
+            mark(self, tensor)
+            return
         if not isinstance(tensor, torch.Tensor):
             raise OffloadTypeError(
-                f"SwapManager.mark: tensor is a {type(tensor).__name__}: pass a torch.Tensor"
+                f"SwapManager.mark: tensor is a {type(tensor).__name__}: pass a torch.Tensor "
+                "(or a MindSpore Tensor)"
             )
         self._marked.add(tensor.untyped_storage().data_ptr())
 
@@ -402,6 +418,21 @@ class SwapManager:
     def pooled_bytes(self) -> int:
         """Host bytes in the pool (free) and held (in use)."""
         return self._held + sum(b.numel() for bs in self._pool.values() for b in bs)
+
+
+def _framework(obj) -> str | None:
+    from hp_dtensor import framework_of  # the one framework check
+
+    return framework_of(obj)
+
+
+def _framework_of_call(fn, args, kwargs) -> str | None:
+    found = _framework(fn)
+    for a in (*args, *kwargs.values()):
+        if found is not None:
+            break
+        found = _framework(a)
+    return found
 
 
 _DEFAULT: SwapManager | None = None
@@ -426,7 +457,13 @@ def swap(
     check_callable(fn, "fn", "swap")
     check_type(manager, SwapManager, "manager", "swap", hint="e.g. SwapManager()")
     check_type(policy, SwapPolicy, "policy", "swap", hint="e.g. SwapPolicy()")
-    with (manager or default_manager()).region(policy):
+    mgr = manager or default_manager()
+    if _framework_of_call(fn, args, kwargs) == "mindspore":
+        from ._backend._mindspore import region
+
+        with region(mgr, SwapPolicy() if policy is None else policy):
+            return fn(*args, **kwargs)
+    with mgr.region(policy):
         return fn(*args, **kwargs)
 
 
@@ -460,19 +497,31 @@ class _SwapWrapper(nn.Module):
 def swap_wrapper(
     module: nn.Module, *, manager: SwapManager | None = None, policy: SwapPolicy | None = None
 ) -> nn.Module:
-    """Wrap ``module`` so each forward is one swap region of ``manager``."""
-    check_module(module, "module", "swap_wrapper")
+    """Wrap ``module`` so each forward is one swap region of ``manager``.
+
+    A MindSpore ``nn.Cell`` gets a cell whose forward is one such region (PyNative mode): the
+    tensors its autograd graph saves are copied to the manager's host buffers in forward and
+    come back in backward; its Parameters keep their names."""
+    mindspore = _framework(module) == "mindspore"
+    if not mindspore:
+        check_module(module, "module", "swap_wrapper")
     check_type(manager, SwapManager, "manager", "swap_wrapper", hint="e.g. SwapManager()")
     check_type(policy, SwapPolicy, "policy", "swap_wrapper", hint="e.g. SwapPolicy()")
+    if mindspore:
+        from ._backend._mindspore import swap_cell
+
+        pol = SwapPolicy() if policy is None else policy
+        return swap_cell(module, lambda: manager or default_manager(), lambda: pol)
     return _SwapWrapper(module, manager, policy)
 
 
 def swap_tensor_wrapper(tensor: torch.Tensor, *, manager: SwapManager | None = None):
     """Mark ``tensor`` for swapping when saved inside a region of ``manager`` (also one with
     ``only_marked=True``, which swaps nothing else); returns it."""
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, torch.Tensor) and _framework(tensor) != "mindspore":
         raise OffloadTypeError(
-            f"swap_tensor_wrapper: tensor is a {type(tensor).__name__}: pass a torch.Tensor"
+            f"swap_tensor_wrapper: tensor is a {type(tensor).__name__}: pass a torch.Tensor "
+            "(or a MindSpore Tensor)"
         )
     check_type(manager, SwapManager, "manager", "swap_tensor_wrapper", hint="e.g. SwapManager()")
     (manager or default_manager()).mark(tensor)
