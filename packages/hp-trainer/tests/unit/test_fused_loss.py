@@ -46,6 +46,38 @@ def test_leading_dims_and_autocast():
     torch.testing.assert_close(fh, gh, rtol=5e-2, atol=5e-3)
 
 
+def test_padded_last_chunk_of_the_compiled_path(monkeypatch):
+    """CUDA pads the last chunk to the chunk size (one compiled shape): the same result."""
+    from hp_trainer.models import _loss
+
+    monkeypatch.setattr(_loss, "_chunk_fn", lambda dev: lambda *a: _loss._loss_and_grad(*a))
+    h, w, t = _case(torch.float64)
+    ref = F.cross_entropy(h @ w.t(), t)
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    got = linear_cross_entropy(h, w, t, chunk_size=16)  # 37 = 16 + 16 + 5
+    fh, fw = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close((got, fh, fw), (ref, gh, gw), rtol=1e-12, atol=1e-12)
+
+
+def test_no_grad_all_ignored_and_int32_targets():
+    h, w, t = _case(torch.float64)
+    with torch.no_grad():  # the loss alone: no gradient buffers
+        torch.testing.assert_close(
+            linear_cross_entropy(h, w, t.int(), chunk_size=8), F.cross_entropy(h @ w.t(), t)
+        )
+    ignored = torch.full_like(t, -100)
+    assert torch.isnan(F.cross_entropy(h @ w.t(), ignored))  # as torch does: NaN
+    assert torch.isnan(linear_cross_entropy(h, w, ignored))
+
+
+def test_fp32_master_weight_gets_an_fp32_gradient_under_autocast():
+    h, w, t = _case(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(h, w, t, chunk_size=8)
+    (gw,) = torch.autograd.grad(loss, (w,))
+    assert gw.dtype == torch.float32
+
+
 def test_bad_arguments_are_named():
     h, w, t = _case(torch.float32)
     with pytest.raises(ValueError, match="chunk_size"):

@@ -22,41 +22,56 @@ def _loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int
     """(sum of the chunk's losses, gradient of that sum w.r.t. ``logits`` in its dtype)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
     valid = target != ignore_index
-    safe = torch.where(valid, target, 0)
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, safe[:, None]).squeeze(1)
-    loss = torch.where(valid, lse - picked, 0.0).sum()
-    p = torch.exp(x - lse[:, None])
-    onehot = F.one_hot(safe, x.shape[-1]).to(p.dtype)
-    grad = torch.where(valid[:, None], p - onehot, 0.0)
+    safe = torch.where(valid, target, 0)[:, None]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    picked = x.gather(1, safe)
+    loss = torch.where(valid[:, None], lse - picked, 0.0).sum()
+    grad = torch.exp(x - lse)  # softmax, then minus one at each target
+    grad.scatter_add_(1, safe, -torch.ones_like(picked))
+    grad.masked_fill_(~valid[:, None], 0.0)
     return loss, grad.to(logits.dtype)
 
 
-_compiled = None
+def _loss_only(logits: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(x, target, ignore_index=ignore_index, reduction="sum")
+
+
+_compiled: dict = {}
 
 
 def _chunk_fn(device_type: str):
-    global _compiled
-    if device_type != "cuda":  # compiling pays on the GPU; the CPU path stays eager
+    """The chunk's loss and gradient: compiled on CUDA (one graph per shape; the last chunk
+    is padded to the chunk size, so a run makes one), eager elsewhere."""
+    if device_type != "cuda":
         return _loss_and_grad
-    if _compiled is None:
-        _compiled = torch.compile(_loss_and_grad, dynamic=False)
-    return _compiled
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(_loss_and_grad, dynamic=False)
+    return _compiled["fn"]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, chunk: int, ignore_index: int):
+    def forward(ctx, h, weight, target, chunk: int, ignore_index: int, dtype):
+        ctx.weight_dtype = weight.dtype  # its gradient goes back in its own dtype
+        if dtype is not None and weight.dtype != dtype:
+            weight = weight.to(dtype)
         fn = _chunk_fn(h.device.type)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        count = (target != ignore_index).sum().clamp(min=1)
+        count = (target != ignore_index).sum()  # 0: a NaN loss, as F.cross_entropy gives
         dh = torch.empty_like(h) if need_h else None
         acc = torch.promote_types(h.dtype, torch.float32)  # sums in float32 at least
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=acc, device=h.device)
         for s in range(0, h.shape[0], chunk):
-            hc = h[s : s + chunk]
-            loss, g = fn(hc @ weight.t(), target[s : s + chunk], ignore_index)
+            hc, tc = h[s : s + chunk], target[s : s + chunk]
+            logits = hc @ weight.t()
+            short = chunk - hc.shape[0]
+            if short and fn is not _loss_and_grad:  # one compiled shape: pad with ignored rows
+                logits = F.pad(logits, (0, 0, 0, short))
+                tc = F.pad(tc, (0, short), value=ignore_index)
+            loss, g = fn(logits, tc, ignore_index)
+            g = g[: hc.shape[0]]
             total += loss
             if need_h:
                 torch.mm(g, weight, out=dh[s : s + chunk])
@@ -67,16 +82,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw += (g.t() @ hc).to(acc)
         scale = 1.0 / count.to(acc)
         ctx.save_for_backward(dh, dw, scale)
-        ctx.weight_dtype = weight.dtype
         return total * scale
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         dh, dw, scale = ctx.saved_tensors
         f = grad * scale
         gh = (dh * f.to(dh.dtype)) if dh is not None else None
         gw = (dw * f).to(ctx.weight_dtype) if dw is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -109,13 +124,28 @@ def linear_cross_entropy(
             f"linear_cross_entropy: target is {tuple(target.shape)}; h's tokens are "
             f"{tuple(h.shape[:-1])}: give one target per token"
         )
+    target = target.long()
     dev = h.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        h, weight = h.to(dtype), weight.to(dtype)
-    elif weight.dtype != h.dtype:
-        weight = weight.to(h.dtype)
+    if not torch.is_grad_enabled() or not (h.requires_grad or weight.requires_grad):
+        return _loss_without_grad(h, weight, target, chunk_size, ignore_index)
+    # under autocast h is cast here and the weight inside, so the weight's gradient (summed
+    # in float32) reaches an fp32 master weight without a round trip through bf16
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    h = h.to(dtype)
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(
-            h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), chunk_size, ignore_index
+            h.reshape(-1, h.shape[-1]), weight, target.reshape(-1), chunk_size, ignore_index, dtype
         )
+
+
+def _loss_without_grad(h, weight, target, chunk, ignore_index):
+    """The loss alone, chunk by chunk (evaluation: no gradient buffers)."""
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    h, weight = h.to(dtype), weight.to(dtype)
+    h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    with torch.autocast(dev, enabled=False):
+        for s in range(0, h.shape[0], chunk):
+            total += _loss_only(h[s : s + chunk] @ weight.t(), target[s : s + chunk], ignore_index)
+    return total / (target != ignore_index).sum()
