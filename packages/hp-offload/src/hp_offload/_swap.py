@@ -183,11 +183,36 @@ class SwapManager:
 
     # -- regions --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def region(self, policy: SwapPolicy | None = None, *, only_marked: bool = False) -> Iterator:
-        """Swap the tensors saved for backward inside this block (one prefetch group)."""
+    def region(
+        self,
+        policy: SwapPolicy | None = None,
+        *,
+        only_marked: bool = False,
+        framework: str = "torch",
+    ) -> Iterator:
+        """Swap the tensors saved for backward inside this block (one prefetch group).
+        ``framework``: whose autograd saves them, ``"torch"`` or ``"mindspore"`` (MindSpore
+        cells in PyNative mode; ``only_marked`` is torch's only)."""
         check_type(policy, SwapPolicy, "policy", "SwapManager.region", hint="e.g. SwapPolicy()")
         check_bool(only_marked, "only_marked", "SwapManager.region")
+        if framework not in ("torch", "mindspore"):
+            raise OffloadTypeError(
+                f"SwapManager.region: framework={framework!r}: give 'torch' or 'mindspore'"
+            )
         policy = SwapPolicy() if policy is None else policy
+        if framework == "mindspore":
+            if only_marked:
+                from .errors import OffloadUnsupportedError
+
+                raise OffloadUnsupportedError(
+                    "SwapManager.region: only_marked is not supported on MindSpore (tensors "
+                    "cannot be marked there yet): leave it False"
+                )
+            from ._backend import _mindspore
+
+            with _mindspore.region(self, policy):
+                yield
+            return
         group = _Group(len(self._groups))
         self._groups.append(group)
 

@@ -221,6 +221,33 @@ def test_swap_wrapper():
     assert manager.pooled_bytes == pooled
 
 
+def test_region_on_mindspore_swaps_and_refuses_what_it_cannot():
+    """SwapManager.region(framework="mindspore") around the whole forward swaps what the
+    graph saves (a torch region would see none of it); marking tensors is refused by name."""
+    from hp_offload import swap_tensor_wrapper
+    from hp_offload.errors import OffloadTypeError, OffloadUnsupportedError
+
+    ref = _reference()
+    net, seen = _net()
+    manager = SwapManager()
+
+    def forward(x, cos, sin):
+        with manager.region(framework="mindspore"):
+            return net(x, cos, sin)
+
+    _close(_step(net, seen, forward), ref)
+    stats = manager.step()
+    assert stats.bytes_out >= LAYERS * B * S * DIM * 4 and stats.bytes_in == stats.bytes_out
+    with pytest.raises(OffloadUnsupportedError, match="only_marked"):
+        with manager.region(framework="mindspore", only_marked=True):
+            pass
+    with pytest.raises(OffloadTypeError, match="framework"):
+        with manager.region(framework="jax"):
+            pass
+    with pytest.raises(OffloadUnsupportedError, match="marking MindSpore tensors"):
+        swap_tensor_wrapper(ms.Tensor(np.ones(3, np.float32)), manager=manager)
+
+
 def test_swap_without_fusion_and_mixed_with_checkpoint():
     """Each tensor its own transfer (fuse_below=0); layer 0 swapped, the others checkpointed,
     through the functional forms."""

@@ -99,6 +99,12 @@ class _Wrapper(nn.Cell):
     def update_parameters_name(self, prefix="", recurse=True):
         getattr(self, self._INNER).update_parameters_name(prefix, recurse)
 
+    def __call__(self, *args, **kwargs):
+        # graph mode compiles construct, which would fail obscurely: refuse it by name (a
+        # wrapper nested inside a graph-mode cell is compiled without passing here)
+        _check_pynative(f"{type(self).__name__}")
+        return super().__call__(*args, **kwargs)
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
@@ -305,9 +311,10 @@ def swap_cell(cell, manager_fn, policy_fn):
 
 
 def mark(manager, tensor) -> None:
-    """Swap ``tensor`` (by its memory) whenever a region of ``manager`` saves it."""
-    if not isinstance(tensor, ms.Tensor):
-        raise OffloadTypeError(
-            f"swap_tensor_wrapper: tensor is a {type(tensor).__name__}: pass a MindSpore Tensor"
-        )
-    manager._marked.add(tensor.data_ptr())
+    """Marking tensors for ``only_marked`` regions: not supported on MindSpore yet (its
+    regions swap every saved tensor the policy admits), so refused rather than ignored."""
+    raise OffloadUnsupportedError(
+        "swap_tensor_wrapper: marking MindSpore tensors (for only_marked regions) is not "
+        "supported yet: swap the cell with swap_wrapper, or a region of SwapManager(...)"
+        ".region(framework='mindspore')"
+    )
