@@ -19,8 +19,21 @@ NOTE [What the trainer keeps]
   (with its bf16 gradients) until RESHARD reduces all groups at once (fp32 buffers).
 - Activations: NOTE [Saved activations] in ``_layers``, times the microbatches in flight
   (``_pipeline.inflight``), plus one block's whole set while it is recomputed; the last stage
-  holds the full-vocabulary logits (gathered over tp) in bf16 and fp32 and the fp32
-  log-softmax (10 bytes per logit, 6 more while backward computes their gradient).
+  keeps the fp32 log-softmax of ``F.cross_entropy(logits.float())`` (4 bytes per logit: the
+  bf16 logits and their fp32 copy are gone once the loss is computed) and, in its backward,
+  that output's gradient and the input's (8 more), and the head's inputs.
+- The peak is the fullest of four moments of the step, each summed by cause: the loss's
+  backward (every saved set, the log-softmax buffers, the weight copies still saved), the
+  forward's end (autocast's whole cache of copies, the bf16 logits), a block's backward (the
+  recomputed set beside the larger of what is left saved and the gradients made so far), and
+  the optimizer step (fp32 parameters, gradients, two moments and foreach AdamW's sqrt of the
+  second: 20 bytes per sharded parameter). Gradients exist while a microbatch runs only after
+  the step's first backward (``zero_grad(set_to_none=True)``), so with one microbatch and no
+  pipeline they are not beside the activations. Checked on one H200 (1.3B and Llama-3.2-1B,
+  no / full / selective / swap / two micro-steps): within 0.2% of the allocated peaks.
+- Without FSDP (autocast): the residual stream is fp32, each projection saves its own bf16
+  copy of its norm's output, every matmul saves its weight's bf16 copy (the embedding's
+  lookup casts nothing); a checkpointed block saves none, the output projection its own.
 - Swap keeps hp-offload's in-flight window (1 GiB of device copies not yet on the host) and
   two blocks' sets being prefetched back.
 - The allocated peak times the calibration's fragmentation factor, plus its runtime reserve,
@@ -65,6 +78,7 @@ SWAP_WINDOW = 1 * GIB  # hp_offload.SwapManager's default max_inflight_bytes
 _RS = 4  # bytes per gradient value reduced (mixed_precision_reduce = float32)
 _STATE = 16  # fp32 parameter, gradient and two AdamW moments per sharded parameter
 _OPT_BYTES = 32  # AdamW + clipping traffic per sharded parameter
+_ADAM_TEMP = 4  # foreach AdamW's fp32 sqrt(exp_avg_sq) of every parameter, during the step
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class MemoryEstimate:
     fragmentation: float
     reserve: float
     host: float = 0.0  # pinned host bytes the rank's swapped activations take (swap only)
+    phase: str = "loss"  # when the peak is: "loss", "forward", "backward" or "optimizer"
 
     @property
     def allocated(self) -> float:
@@ -107,7 +122,7 @@ class MemoryEstimate:
         return [
             ("parameters (fp32 shards)", self.parameters),
             ("gradients (fp32 shards)", self.gradients),
-            ("optimizer (AdamW moments)", self.optimizer),
+            ("optimizer (AdamW moments, step temporaries)", self.optimizer),
             ("FSDP gathered params/grads and buffers", self.fsdp_buffers),
             ("activations", self.activations),
             ("logits and loss", self.logits),
@@ -218,6 +233,12 @@ def _gathered(p: LayerParams, plan: Plan) -> float:
     return p.tp / plan.tp + p.replicated + (p.experts / g if g else 0.0)
 
 
+def _autocast(plan: Plan, ab: int) -> bool:
+    """Whether the trainer runs ``plan`` under ``torch.autocast`` (no FSDP to cast the fp32
+    parameters, a compute dtype narrower than fp32)."""
+    return not plan.fsdp and ab < 4
+
+
 # -- blocks ---------------------------------------------------------------------------------------
 
 
@@ -226,11 +247,12 @@ class _Ctx:
     block's work, the hardware. Does not depend on the data-parallel degrees, so stage costs
     are shared (cached) between plans that differ only there."""
 
-    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster):
+    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster, autocast=False):
         self.spec, self.gpu, self.cluster = spec, gpu, cluster
         self.tokens, self.seq = tokens, seq
         self.tp, self.cp, self.ep, self.etp = tp, cp, ep, etp
         self.ab = gpu.act_bytes
+        self.autocast = autocast  # fp32 parameters under torch.autocast (no FSDP)
         # the trainer's mesh: pp, dp_replicate, dp_shard, cp, tp (innermost); ep inside dp_shard
         self.cp_stride = tp
         self.ep_stride = tp * cp
@@ -313,7 +335,7 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
         moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / gpu.memory_bandwidth
         rec = t_el + moe + tp_f + ep_f + gpu.selective_overhead
     elif mode == "swap":
-        saved = L.saved_bytes(spec, kind, "none", c.tokens, tp, c.etp, c.ab)
+        saved = L.saved_bytes(spec, kind, "none", c.tokens, tp, c.etp, c.ab, c.autocast)
         copy = saved / gpu.host_bandwidth
         sw = max(0.0, copy - f) + max(0.0, copy - bi - bw) + gpu.swap_overhead
     acc.f += count * f
@@ -467,7 +489,9 @@ class Evaluator:
         Cached: do not modify the results."""
         lo, hi = layout.ranges[s]
         first, last = s == 0, s == layout.n_stages - 1
+        autocast = _autocast(plan, self.ab)
         key = (lo, hi, first, last, plan.recompute, tokens, plan.tp, plan.cp, plan.ep, plan.etp)
+        key += (autocast,)
         hit = self._stages.get(key)
         if hit is None:
             c = _Ctx(
@@ -480,6 +504,7 @@ class Evaluator:
                 plan.etp,
                 self.gpu,
                 self.cluster,
+                autocast,
             )
             acc = _Acc()
             per_kind = {}
@@ -542,21 +567,22 @@ class Evaluator:
     def _saved_per_stage(self, layout, rank: _Rank, plan: Plan, tokens: int):
         """(mean saved bytes per microbatch over the rank's stages, the largest block's whole
         set): NOTE [Saved activations]."""
-        key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp)
+        key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp, plan.fsdp)
         hit = self._saved.get(key)
         if hit is None:
             spec, ab = self.spec, self.ab
+            ac = _autocast(plan, ab)
             kept = "none" if plan.recompute == "swap" else plan.recompute
             total = window = 0.0
             for s in rank.stages:
                 for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
-                    total += n * L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab)
-                    whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab)
+                    total += n * L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac)
+                    whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab, ac)
                     window = max(window, whole)
                 if s == layout.n_stages - 1 and spec.mtp_layers:
                     kind = L.kind_of(spec, spec.n_layers - 1)
                     total += spec.mtp_layers * (
-                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab)
+                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac)
                         + 4 * tokens * spec.dim * ab  # the two norms' inputs, the projection's
                     )
             hit = self._saved[key] = (total / len(rank.stages), window)
@@ -628,28 +654,43 @@ class Evaluator:
         return Estimate(plan, worst, t, tps, tps * self._flops / gpu.peak_flops, layout)
 
     def _memory(self, layout, rank: _Rank, plan: Plan, tokens: int, held: int) -> MemoryEstimate:
+        """The fullest of the step's phases (NOTE [What the trainer keeps]): the loss's
+        backward (or the forward's end), a block's backward, the optimizer step."""
         spec, ab, mode = self.spec, self.ab, plan.recompute
+        autocast = _autocast(plan, ab)
+        stream = 4 if autocast else ab
         everything = rank.blocks + rank.root
         shard = _sharded(everything, plan)
         mean, window = self._saved_per_stage(layout, rank, plan, tokens)
         acts = held * mean
         host = 0.0
+        recomputed = 0.0  # the block being recomputed in backward
         if mode == "swap":  # every saved activation goes to pinned host memory
             host = acts
             acts = min(acts, SWAP_WINDOW) + 2 * window
         elif mode in ("full", "selective"):
-            acts += window  # the block being recomputed
-        logits = 0.0
+            recomputed = window
+        # gradients exist while a microbatch runs only after the step's first backward
+        # (``zero_grad(set_to_none=True)`` ends every step)
+        early_grads = shard * 4 if (plan.microbatches > 1 or plan.pp > 1) else 0.0
+        logits = fwd_logits = 0.0
         if rank.last:
             v, d = spec.vocab_size, spec.dim
             keep = plan.microbatches if plan.schedule == "gpipe" else 1
             depths = 1 + spec.mtp_layers
-            logits = depths * keep * tokens * (v * 10 + (d / plan.tp + d) * ab) + tokens * v * 6
+            # the final norm's input and the output projection's (gathered) input
+            head = depths * keep * tokens * (stream * d / plan.tp + ab * d)
+            # F.cross_entropy(logits.float()): log_softmax keeps its fp32 output; its backward
+            # adds that output's gradient and the input's (the bf16 logits and their fp32 copy
+            # are gone once the loss is computed)
+            logits = head + depths * keep * tokens * v * 4 + tokens * v * 8
+            fwd_logits = head + depths * tokens * v * ab  # the bf16 logits the forward returns
             if plan.pp > 1:
                 # hp_pipeline's last stage keeps every microbatch's (detached) logits under
                 # every schedule, and step() concatenates them at its end: twice that then
                 logits += 2 * plan.microbatches * tokens * v * ab
         other = buffers = 0.0
+        copies = kept_copies = block_copies = 0.0
         if plan.fsdp:
             if plan.pp > 1:  # the whole stage gathered for the step, reduced at its end
                 u = _gathered(everything, plan)
@@ -658,35 +699,62 @@ class Evaluator:
                 block = max(_gathered(p, plan) for p in rank.kinds)
                 buffers = block * (3 * ab + 2 * _RS) + _gathered(rank.root, plan) * 2 * ab
             if plan.ep > 1 and plan.etp > 1 and ab < 4:  # experts FSDP does not cast
-                copies = rank.blocks.experts / _expert_shard(plan) * ab
-                other += copies if mode != "full" else copies / spec.n_layers
-        elif ab < 4:  # autocast without FSDP: bf16 weight copies saved for backward
-            # autocast caches each copy until the outer autocast exits (the end of forward), so
-            # under full recompute every copy is alive at the forward's peak; the backward then
-            # holds the recomputed block's copy beside the window (already in ``acts``)
+                c = rank.blocks.experts / _expert_shard(plan) * ab
+                other += c if mode != "full" else c / spec.n_layers
+        elif autocast:  # bf16 weight copies: autocast caches them until the forward ends
+            # the embedding's lookup is not cast (a tied output projection is, once)
+            output = spec.vocab_size * spec.dim / plan.tp * ab if rank.last else 0.0
             copies = _gathered(everything, plan) * ab
-            if mode != "full":
-                other += copies
-            else:
-                other += max(copies - window, copies / spec.n_layers)
+            if rank.first:
+                copies -= spec.embedding_params() / plan.tp * ab
+            if rank.last and spec.tie_word_embeddings:
+                copies += output
+            if mode in ("none", "swap"):  # every matmul saves its weight's copy
+                kept_copies = copies
+            else:  # checkpointed blocks save none: only the output projection's stays
+                kept_copies = output
+                block_copies = max(_gathered(p, plan) for p in rank.kinds) * ab
         if plan.cp > 1:  # the ring's received keys and values
             other += 2 * max(
                 L.work(spec, k, tokens, self.work.seq_len, plan.tp, plan.etp, ab).cp_bytes
                 for s in rank.stages
                 for k in L.layer_kinds(spec, *layout.ranges[s])
             )
+        steady = shard * 4 + shard * (_STATE - 8)
+        phases = {
+            # the loss's backward: every block's saved set, the log-softmax buffers
+            "loss": (early_grads, buffers, acts, logits, other + kept_copies),
+            # the forward's end: autocast's whole cache, the bf16 logits
+            "forward": (early_grads, buffers, acts, fwd_logits, other + copies),
+            # a block's backward: the recomputed set (and its copies) beside what is left of
+            # the saved sets or the gradients made so far, whichever is more
+            "backward": (
+                (shard * 4, buffers, recomputed, 0.0, other + block_copies)
+                if shard * 4 > early_grads + acts
+                else (early_grads, buffers, acts + recomputed, 0.0, other + block_copies)
+            ),
+        }
+        name, (grads, bufs, act, lg, oth) = max(phases.items(), key=lambda kv: sum(kv[1]))
+        opt = shard * (_STATE - 8)
+        params = shard * 4
+        # the optimizer step: foreach AdamW's sqrt of the second moments is one more fp32
+        # copy of every parameter (torch's _multi_tensor_adam), with gradients all there
+        if steady + shard * 8 >= steady + grads + bufs + act + lg + oth:
+            name, grads, bufs, act, lg, oth = "optimizer", shard * 4, 0.0, 0.0, 0.0, 0.0
+            opt += shard * _ADAM_TEMP
         return MemoryEstimate(
             rank=rank.stages[0] % max(plan.pp, 1),
-            parameters=shard * 4,
-            gradients=shard * 4,
-            optimizer=shard * (_STATE - 8),
-            fsdp_buffers=buffers,
-            activations=acts,
-            logits=logits,
-            other=other,
+            parameters=params,
+            gradients=grads,
+            optimizer=opt,
+            fsdp_buffers=bufs,
+            activations=act,
+            logits=lg,
+            other=oth,
             fragmentation=self.gpu.fragmentation,
             reserve=self.gpu.runtime_reserve,
             host=host,
+            phase=name,
         )
 
     def _transfer(self, plan: Plan, tokens: int) -> float:

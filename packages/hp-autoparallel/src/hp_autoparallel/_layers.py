@@ -28,7 +28,14 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
   among hp-offload's saved ops, so a MoE's experts are recomputed;
 - ``full`` keeps the checkpoint input only; both recompute one block at a time in backward,
   when that block's whole set is alive again.
-Gated DeltaNet blocks are estimated from their projection widths (not derived op by op).
+- each RMSNorm (CUDA's fused kernel) saves its input and an fp32 rstd per token;
+- under autocast without FSDP (fp32 parameters) the block's input and the ffn norm's input
+  are fp32 and every projection reading a norm's output saves its own bf16 cast of it (q, k,
+  v: three; w1, w3: two); ``tests/unit/test_saved_measured.py`` checks the dense block's bytes
+  per token in every mode against torch's allocator on the CPU.
+Gated DeltaNet blocks are estimated from their projection widths (not derived op by op); MLA,
+Gated DeltaNet and MoE blocks get the fp32 norm inputs under autocast but not the per-projection
+copies.
 """
 
 from __future__ import annotations
@@ -159,21 +166,55 @@ def _ffn_elements(spec: ModelSpec, moe: bool, mode: str, tp: int, etp: int, ab: 
     return d / tp + d + 4 * f / tp
 
 
+_RSTD = 4  # fp32 reciprocal RMS per token, saved by each (fused) RMSNorm
+
+
+def _projections(spec: ModelSpec, mixer: str, moe: bool) -> tuple[int, int]:
+    """How many linear layers read the attention norm's and the ffn norm's output (under
+    autocast each casts it to bf16 on its own, and saves its own copy)."""
+    attn = 3 if mixer in ("attention", "gated_attention") else 1
+    ffn = 2 if not moe else 1
+    return attn, ffn
+
+
 @lru_cache(maxsize=4096)
 def saved_bytes(
-    spec: ModelSpec, kind: tuple[str, bool], mode: str, tokens: int, tp: int, etp: int, ab: int
+    spec: ModelSpec,
+    kind: tuple[str, bool],
+    mode: str,
+    tokens: int,
+    tp: int,
+    etp: int,
+    ab: int,
+    autocast: bool = False,
 ) -> float:
     """Bytes one block of ``kind`` keeps from its forward to its backward, per microbatch of
     ``tokens`` tokens, under ``mode`` (``"none"``, ``"selective"``, ``"full"``; swap keeps
-    what ``"none"`` does, on the host)."""
+    what ``"none"`` does, on the host).
+
+    ``autocast``: the trainer without FSDP (fp32 parameters under ``torch.autocast``): the
+    residual stream is fp32 (the embedding's output is, and ``fp32 + bf16`` adds are), so the
+    block's input and its ffn-norm input are saved in 4 bytes, and each projection that reads
+    a norm's output casts it to ``ab`` bytes itself and saves that copy (autocast caches the
+    casts of parameters only): q, k and v three copies, SwiGLU's w1 and w3 two (NOTE [Saved
+    activations])."""
     mixer, moe = kind
+    d = spec.dim
+    stream = 4 if autocast else ab
     if mode == "full":
-        return tokens * spec.dim / tp * ab
+        return tokens * d / tp * stream
     m = "selective" if mode == "selective" else "none"
     n = _mixer_elements(spec, mixer, m, tp, ab) + _ffn_elements(spec, moe, m, tp, etp, ab)
+    extra = 0.0  # bytes per token beyond the elements of ``ab`` bytes
     if m == "selective":
-        n -= spec.dim / tp  # the ffn norm's input is not saved: only the block's input is
-    return tokens * n * ab
+        n -= d / tp  # the ffn norm's input is not saved: only the block's input is
+        extra += (stream - ab) * d / tp
+    else:
+        extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
+        if autocast:
+            pa, pf = _projections(spec, mixer, moe)
+            extra += (pa - 1 + pf - 1) * ab * d  # one cast copy per projection
+    return tokens * (n * ab + extra)
 
 
 @dataclass(frozen=True)

@@ -51,21 +51,24 @@ def _acts_none(tp=1):
     """Bytes one block saves without recomputation, per token (NOTE [Saved activations])."""
     attn = D / tp + D + (H + 2 * KV) * HD / tp + H * HD / tp + H / tp * 4 / 2
     ffn = D / tp + D + 4 * F / tp
-    return (attn + ffn) * 2
+    return (attn + ffn) * 2 + 2 * 4 / tp  # and the two norms' fp32 rstd
 
 
 def test_memory_fsdp_by_hand():
     est = estimate(SPEC, Plan(1, 8, microbatches=4), WORK, GPU, CLUSTER)
     m = est.memory
     assert m.parameters == pytest.approx(P / 8 * 4)
+    # the peak is the last microbatch's loss backward: the earlier ones made the gradients
+    assert m.phase == "loss"
     assert m.gradients == pytest.approx(P / 8 * 4)
     assert m.optimizer == pytest.approx(P / 8 * 8)
     # the largest block gathered (bf16, twice: in use and prefetched), its bf16 gradients,
     # two fp32 reduce-scatter buffers; the root kept gathered with its gradients
     assert m.fsdp_buffers == pytest.approx(BLOCK * (2 * 2 + 2 + 2 * 4) + ROOT * 2 * 2)
     assert m.activations == pytest.approx(L * T * _acts_none())
-    # logits in bf16 and fp32 and the fp32 log-softmax, the head's inputs; their gradients
-    assert m.logits == pytest.approx(T * (V * 10 + 2 * D * 2) + T * V * 6)
+    # the head's inputs and the fp32 log-softmax kept; in its backward, that output's gradient
+    # and the input's (fp32)
+    assert m.logits == pytest.approx(T * (V * 4 + 2 * D * 2) + T * V * 8)
     assert m.other == 0
     assert m.allocated == pytest.approx(
         m.parameters + m.gradients + m.optimizer + m.fsdp_buffers + m.activations + m.logits
@@ -88,12 +91,15 @@ def test_recompute_modes_by_hand():
 
     none, sel, full, swap = (acts(m) for m in ("none", "selective", "full", "swap"))
     whole = T * _acts_none()
-    # full: each block's input, plus one block's whole set while it is recomputed
-    assert full.memory.activations == pytest.approx(L * T * D * 2 + whole)
+    # full: each block's input (the peak is the loss's backward, before any block is
+    # recomputed: one block's whole set then is less than the loss's buffers)
+    assert full.memory.phase == "loss"
+    assert full.memory.activations == pytest.approx(L * T * D * 2)
+    assert whole < T * V * 8
     # selective: the input, q/k/v, wo's output (before its reduce-scatter), attention output
     # and log-sum-exp, w1 / w3 / w2 outputs
     kept = D + (H + 2 * KV) * HD + D + H * HD + H * 2 + 2 * F + D
-    assert sel.memory.activations == pytest.approx(L * T * kept * 2 + whole)
+    assert sel.memory.activations == pytest.approx(L * T * kept * 2)
     # swap: hp-offload's 1 GiB in-flight window and two blocks being prefetched
     assert swap.memory.activations == pytest.approx(GIB + 2 * whole)
     assert none.memory.activations > sel.memory.activations > full.memory.activations
@@ -174,21 +180,47 @@ def test_last_stage_keeps_every_microbatchs_logits(schedule):
     plan = Plan(1, 4, pp=2, schedule=schedule, microbatches=m)
     est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
     keep = m if schedule == "gpipe" else 1
-    one = T * (V * 10 + 2 * D * 2)
+    one = T * (V * 4 + 2 * D * 2)
     assert est.memory.rank == 1
-    assert est.memory.logits == pytest.approx(keep * one + T * V * 6 + 2 * m * T * V * 2)
+    assert est.memory.logits == pytest.approx(keep * one + T * V * 8 + 2 * m * T * V * 2)
 
 
-def test_autocast_copies_without_fsdp_under_full_recompute():
-    # dp x cp == 1: autocast caches every bf16 weight copy until the forward ends, so under
-    # full recomputation all are alive at the forward's peak
+def _acts_autocast():
+    """Per token, one block without recomputation under autocast (no FSDP): the fp32 block
+    and ffn-norm inputs, a bf16 copy of the normed input per projection (q, k, v; w1, w3)."""
+    attn = D * 4 + 3 * D * 2 + ((H + 2 * KV) * HD + H * HD) * 2 + H * 4
+    ffn = D * 4 + 2 * D * 2 + 4 * F * 2
+    return attn + ffn + 2 * 4
+
+
+def test_autocast_without_fsdp_keeps_fp32_stream_and_weight_copies():
+    # dp x cp == 1: fp32 parameters under torch.autocast; one microbatch of 4 x 4096 tokens
+    work = Workload(4, 4096)
+    t = 4 * T
+    none = estimate(SPEC, Plan(1, 1, recompute="none"), work, GPU, CLUSTER).memory
+    assert none.phase == "loss" and none.gradients == 0  # set_to_none: none yet
+    assert none.activations == pytest.approx(L * t * _acts_autocast())
+    # every matmul saves its weight's bf16 copy (all but the embedding's lookup)
+    assert none.other == pytest.approx((P - V * D) * 2)
+    # the final norm's fp32 input, the output's bf16 input, log-softmax and its backward
+    assert none.logits == pytest.approx(t * (D * 4 + D * 2) + t * V * 12)
+    # full: the fp32 block inputs; the forward's cache is gone at the loss, but the output
+    # projection saved its copy (16 sequences, so that the loss outweighs the optimizer step)
+    big = Workload(16, 4096)
+    full = estimate(SPEC, Plan(1, 1, recompute="full"), big, GPU, CLUSTER).memory
+    assert full.phase == "loss"
+    assert full.activations == pytest.approx(L * 4 * t * D * 4)
+    assert full.other == pytest.approx(V * D * 2)
+
+
+def test_optimizer_step_can_be_the_peak():
+    # foreach AdamW: parameters, gradients, two moments and the sqrt of the second: 20 B each
     work = Workload(4, 4096)
     est = estimate(SPEC, Plan(1, 1, microbatches=4, recompute="full"), work, GPU, CLUSTER)
-    copies = P * 2
-    window = T * _acts_none()
-    assert est.memory.activations == pytest.approx(L * T * D * 2 + window)
-    assert est.memory.other == pytest.approx(max(copies - window, copies / L))
-    assert est.memory.other > copies / 2
+    m = est.memory
+    assert m.phase == "optimizer"
+    assert m.allocated == pytest.approx(P * 20)
+    assert m.activations == m.logits == m.other == 0
 
 
 def test_shipped_h200_prediction_is_sane():
