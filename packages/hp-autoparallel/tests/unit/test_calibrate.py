@@ -112,3 +112,23 @@ def test_core_import_stays_torch_free():
         "assert 'torch' not in sys.modules and 'hp_autoparallel._calibrate' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_matmul_rate_counts_each_shape_as_often_as_a_step_runs_it(monkeypatch):
+    """The rate is FLOPs over time with each GEMM weighted by its count a step: a fast GEMM
+    that runs once cannot set the rate of the many slower ones."""
+    pytest.importorskip("torch")
+    import dataclasses
+
+    import torch
+
+    from hp_autoparallel import _calibrate as C
+
+    times = iter([1.0, 4.0])  # seconds for the two shapes, in order
+    monkeypatch.setattr(C, "_median_time", lambda *a, **k: next(times))
+    sizes = dataclasses.replace(C._SIZES[("cpu", True)], matmuls=((8, 8, 8, 3), (16, 16, 16, 1)))
+    cal = C.Calibration("x", "float32", "cpu")
+    C._matmul(cal, sizes, torch.device("cpu"), torch.float32)
+    flops = 3 * 2 * 8**3 + 1 * 2 * 16**3
+    want = flops / (3 * 1.0 + 1 * 4.0) / 1e12
+    assert cal.fields[("rates", "matmul_tflops")].value == pytest.approx(want)
