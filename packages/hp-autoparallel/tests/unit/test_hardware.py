@@ -41,10 +41,10 @@ def _cluster(tmp_path, text=CLUSTER) -> Cluster:
 def test_shipped_calibrations():
     assert shipped_gpus() == ["cpu", "h200"]
     h200 = load_gpu("h200")
-    assert h200.matmul_flops == 690e12 and h200.peak_flops == 989.4e12
+    assert h200.matmul_flops == 681.1e12 and h200.peak_flops == 989.4e12
     assert h200.attention_flops == 550e12 and h200.grouped_gemm_flops == 567.5e12
     assert h200.host_bandwidth == 55e9 and h200.act_bytes == 2
-    assert h200.fragmentation == 1.08 and h200.memory == 139 * 2**30
+    assert h200.fragmentation == 1.096 and h200.memory == 139 * 2**30
     cpu = load_gpu("cpu")
     assert cpu.act_bytes == 4 and cpu.compute_dtype == "float32"
     assert load_cluster("h200").gpus_per_node == 8
@@ -98,10 +98,10 @@ def test_calibration_missing_field_is_named(tmp_path):
     with open(_shipped("h200")) as f:
         text = f.read()
     path = tmp_path / "gpu.toml"
-    path.write_text(text.replace("matmul_tflops = 690.0", ""))
+    path.write_text(text.replace("matmul_tflops = 681.1", ""))
     with pytest.raises(CalibrationError, match=r"rates\.matmul_tflops is missing"):
         GpuCalibration.from_toml(path)
-    path.write_text(text.replace("fragmentation = 1.08", "fragmentation = 0.9"))
+    path.write_text(text.replace("fragmentation = 1.096", "fragmentation = 0.9"))
     with pytest.raises(CalibrationError, match=r"memory\.fragmentation = 0.9 must be >= 1"):
         GpuCalibration.from_toml(path)
 
