@@ -11,6 +11,8 @@ timed repeats after warm-up calls, with ``torch.cuda.synchronize`` around every 
 - the grouped GEMM forward + backward through ``hp_moe.grouped_mm`` (``torch``'s grouped
   matmul where it has one for the operands, else hp-moe's loop of matmuls, as hp-moe runs it);
 - device memory bandwidth (a large device-to-device copy, bytes read + written);
+- the element-wise kernels' bandwidth (SwiGLU's ``silu(a) * b`` in the compute dtype and an
+  fp32 add, bytes read + written as NOTE [Element-wise traffic] counts them);
 - pinned host <-> device copies (the slower direction);
 - the optimizer hp-train runs (``hp_optim.AdamW`` and ``clip_grad_norm_``), as the bytes per
   second the planner's 32 bytes per parameter take;
@@ -310,6 +312,37 @@ def _bandwidth(cal: Calibration, s: _Sizes, device) -> None:
     )
 
 
+def _elementwise(cal: Calibration, s: _Sizes, device, dtype) -> None:
+    """The memory-bound kernels' bandwidth as the planner counts their bytes (NOTE [Element-wise
+    traffic] in ``_layers``): SwiGLU's ``silu(a) * b`` in the compute dtype (silu reads and
+    writes one tensor, the product reads two and writes one: 5) and an fp32 residual add (3),
+    each over operands of half ``copy_bytes``; bytes moved over the two kernels' time."""
+    import torch
+    import torch.nn.functional as F
+
+    size = torch.tensor([], dtype=dtype).element_size()
+    n = s.copy_bytes // 2 // size
+    a = torch.empty(n, device=device, dtype=dtype).uniform_()
+    b = torch.empty_like(a).uniform_()
+    t_swiglu = _median_time(
+        lambda a=a, b=b: F.silu(a) * b, device, warmup=s.warmup, repeats=s.repeats
+    )
+    m = s.copy_bytes // 2 // 4
+    x = torch.empty(m, device=device, dtype=torch.float32).uniform_()
+    y = torch.empty_like(x).uniform_()
+    t_add = _median_time(lambda x=x, y=y: x + y, device, warmup=s.warmup, repeats=s.repeats)
+    swiglu, add = 5 * n * size, 3 * m * 4
+    dname = str(dtype).replace("torch.", "")
+    cal.set(
+        "rates",
+        "elementwise_gbps",
+        (swiglu + add) / (t_swiglu + t_add) / 1e9,
+        f"measured: {dname} silu(a) * b ({swiglu / t_swiglu / 1e9:.1f} GB/s) and a float32 "
+        f"a + b ({add / t_add / 1e9:.1f} GB/s) over {s.copy_bytes >> 21} MiB operands, bytes "
+        "read + written by each kernel as the planner counts them, over the two kernels' time",
+    )
+
+
 def _optimizer(cal: Calibration, s: _Sizes, device) -> None:
     import torch
 
@@ -547,6 +580,7 @@ def calibrate(
             ("attention", lambda: _attention(cal, s, dev, dtype)),
             ("grouped GEMM", lambda: _grouped(cal, s, dev, dtype)),
             ("bandwidths", lambda: _bandwidth(cal, s, dev)),
+            ("element-wise kernels", lambda: _elementwise(cal, s, dev, dtype)),
             ("optimizer", lambda: _optimizer(cal, s, dev)),
             ("memory", lambda: _device_memory(cal, dev, ranks)),
             ("allocator", lambda: _trainer_memory(cal, s, dev, base)),
@@ -594,6 +628,7 @@ _LAYOUT = (
             "attention_tflops",
             "grouped_gemm_tflops",
             "memory_gbps",
+            "elementwise_gbps",
             "host_link_gbps",
             "optimizer_gbps",
         ),
@@ -691,7 +726,8 @@ def main(argv: list[str]) -> int:
         f"hp-plan calibrate: {cal.device}: matmul {loaded.matmul_flops / 1e12:.4g}, attention "
         f"{loaded.attention_flops / 1e12:.4g}, grouped GEMM {loaded.grouped_gemm_flops / 1e12:.4g} "
         f"TFLOP/s; memory {loaded.memory_bandwidth / 1e9:.4g}, host link "
-        f"{loaded.host_bandwidth / 1e9:.4g}, optimizer {loaded.optimizer_rate / 1e9:.4g} "
+        f"{loaded.host_bandwidth / 1e9:.4g}, element-wise {loaded.elementwise_rate / 1e9:.4g}, "
+        f"optimizer {loaded.optimizer_rate / 1e9:.4g} "
         f"GB/s; fragmentation {loaded.fragmentation:.3f}, reserve "
         f"{loaded.runtime_reserve / GIB:.2f} GiB\nwrote {out}"
     )

@@ -41,8 +41,12 @@ NOTE [What the trainer keeps]
 
 NOTE [Where time goes]
 - Compute: FLOPs of dense GEMMs, attention and grouped GEMMs at the calibration's measured
-  rates, memory-bound kernels (norms, RoPE, SwiGLU, permutations, the logits' loss) at its
-  memory bandwidth; backward is 2x the GEMMs and element-wise work and 2.5x attention.
+  rates; backward is 2x the GEMMs and 2.5x attention. Memory-bound kernels (norms, RoPE,
+  SwiGLU, residual adds, autocast's casts of activations and weights, gradient sums, the
+  logits' loss, permutations; gradient accumulation) are bytes read + written, forward and
+  backward each derived op by op (NOTE [Element-wise traffic] in ``_layers``), at the
+  calibration's element-wise bandwidth (``rates.elementwise_gbps``; the memory bandwidth where
+  the file has none).
 - Exposed communication: tensor-parallel all-gathers / reduce-scatters (sequence parallelism)
   and the logits' all-gather sit on the critical path (hp-trainer's default is not async TP);
   the context-parallel ring runs unoverlapped (``ContextParallel``); expert all-to-alls too.
@@ -300,13 +304,19 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     seconds for FSDP's overlap model."""
     spec, gpu = c.spec, c.gpu
     tp, cp, ep = c.tp, c.cp, c.ep
-    w = L.work(spec, kind, c.tokens, c.seq, tp, c.etp, c.ab)
+    w = L.work(spec, kind, c.tokens, c.seq, tp, c.etp, c.ab, c.autocast)
     t_mm = w.matmul / gpu.matmul_flops
     t_at = w.attention / gpu.attention_flops
     t_gg = w.grouped / gpu.grouped_gemm_flops
-    t_el = w.elementwise / gpu.memory_bandwidth
-    f = t_mm + t_at + t_gg + t_el
-    bi = t_mm + 2.5 * t_at + t_gg + 2 * t_el
+    rate = gpu.elementwise_rate
+    t_el = w.elementwise / rate
+    t_el_b = w.elementwise_backward / rate
+    t_cast = 0.0
+    if c.autocast:  # each matmul weight cast to bf16 in the forward, its gradient back
+        p = L.kind_params(spec, kind)
+        t_cast = L.CAST_BYTES * (w.matmul / (2 * c.tokens) + p.experts / c.etp) / rate
+    f = t_mm + t_at + t_gg + t_el + t_cast
+    bi = t_mm + 2.5 * t_at + t_gg + t_el_b + t_cast
     bw = t_mm + t_gg
     tp_f = tp_b = 0.0
     if tp > 1:
@@ -332,8 +342,8 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     if mode == "full":
         rec = f + tp_f + cp_f + ep_f
     elif mode == "selective":
-        moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / gpu.memory_bandwidth
-        rec = t_el + moe + tp_f + ep_f + gpu.selective_overhead
+        moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / rate
+        rec = t_el + t_cast + moe + tp_f + ep_f + gpu.selective_overhead
     elif mode == "swap":
         saved = L.saved_bytes(spec, kind, "none", c.tokens, tp, c.etp, c.ab, c.autocast)
         copy = saved / gpu.host_bandwidth
@@ -356,8 +366,11 @@ def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
     spec, gpu, tp = c.spec, c.gpu, c.tp
     t, v, d = c.tokens, spec.vocab_size, spec.dim
     mm = 2 * t * d * v / tp / gpu.matmul_flops
-    acc.f += depths * (mm + t * v * 16 / gpu.memory_bandwidth)
-    acc.bi += depths * (mm + t * v * 20 / gpu.memory_bandwidth)
+    el_f, el_b = L.head_elementwise(spec, tp, c.ab, c.autocast)
+    rate = gpu.elementwise_rate
+    cast = L.CAST_BYTES * d * v / tp / rate if c.autocast else 0.0  # the output weight's
+    acc.f += depths * (mm + t * el_f / rate) + cast
+    acc.bi += depths * (mm + t * el_b / rate) + cast
     acc.bw += depths * mm
     if tp > 1:
         ag_in = c.coll("all_gather", tp, 1, t * d * c.ab)
@@ -368,7 +381,13 @@ def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
 
 
 def _embedding_time(c: _Ctx, acc: _Acc) -> None:
-    """The embedding's reduce-scatter to sequence shards (and its all-gather in backward)."""
+    """The embedding's reduce-scatter to sequence shards (and its all-gather in backward), and
+    its backward's index-add."""
+    acc.bi += (
+        c.tokens
+        * L.embedding_elementwise(c.spec, c.tp, c.ab, c.autocast)
+        / (c.gpu.elementwise_rate)
+    )
     if c.tp > 1:
         nbytes = c.tokens * c.spec.dim * c.ab
         rs = c.coll("reduce_scatter", c.tp, 1, nbytes)
@@ -606,7 +625,7 @@ class Evaluator:
         m = plan.microbatches
         worst = None
         slowest = None
-        fsdp_t = opt_t = 0.0
+        fsdp_t = opt_t = accumulate = 0.0
         for rank, members in self._rank_groups(layout, plan.pp):
             if plan.pp > 1:
                 if held is not None:
@@ -628,6 +647,10 @@ class Evaluator:
                 per_kind = self._stage(layout, rank.stages[0], plan, tokens)[1]
                 fsdp_t = max(fsdp_t, self._fsdp(layout, rank, plan, per_kind))
             opt_t = max(opt_t, shard * _OPT_BYTES / gpu.optimizer_rate)
+            # every micro-step after the first adds into the fp32 gradients
+            accumulate = max(
+                accumulate, (m - 1) * shard * L.ACCUMULATE_BYTES / gpu.elementwise_rate
+            )
         a = slowest
         bubble = transfers = 0.0
         if plan.pp > 1:
@@ -638,7 +661,7 @@ class Evaluator:
             transfers = 2 * (layout.n_stages - 1) * comm
             bubble = max(0.0, span - m * a.total - transfers)
         t = StepTime(
-            compute=m * (a.f + a.bi + a.bw),
+            compute=m * (a.f + a.bi + a.bw) + accumulate,
             recompute=m * a.recompute,
             tp_comm=m * a.tp,
             cp_comm=m * a.cp,

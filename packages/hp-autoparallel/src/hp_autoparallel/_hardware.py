@@ -106,6 +106,10 @@ class GpuCalibration:
     #: clipping, as hp-train runs them); None: ``memory_bandwidth`` (the file has no
     #: ``rates.optimizer_gbps``)
     optimizer_bandwidth: float | None = None
+    #: bytes/s the memory-bound kernels of a step reach (norms, RoPE, SwiGLU, casts, residual
+    #: adds, the loss; NOTE [Element-wise traffic] in ``_layers``); None: ``memory_bandwidth``
+    #: (the file has no ``rates.elementwise_gbps``)
+    elementwise_bandwidth: float | None = None
 
     @property
     def act_bytes(self) -> int:
@@ -157,12 +161,23 @@ class GpuCalibration:
                 if "optimizer_gbps" in (doc.get("rates") or {})
                 else None
             ),
+            elementwise_bandwidth=(
+                num("rates", "elementwise_gbps") * 1e9
+                if "elementwise_gbps" in (doc.get("rates") or {})
+                else None
+            ),
         )
 
     @property
     def optimizer_rate(self) -> float:
         """Bytes/s of the optimizer step (``optimizer_bandwidth``, else ``memory_bandwidth``)."""
         return self.optimizer_bandwidth or self.memory_bandwidth
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of memory-bound kernels (``elementwise_bandwidth``, else
+        ``memory_bandwidth``)."""
+        return self.elementwise_bandwidth or self.memory_bandwidth
 
 
 def _data(kind: str) -> resources.abc.Traversable:

@@ -36,6 +36,38 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
 Gated DeltaNet blocks are estimated from their projection widths (not derived op by op); MLA,
 Gated DeltaNet and MoE blocks get the fp32 norm inputs under autocast but not the per-projection
 copies.
+
+NOTE [Element-wise traffic] (bytes read + written per token by every aten op of a block other
+than the GEMMs and the attention core, forward and backward; ``s`` the residual stream's bytes,
+4 under autocast else ``a`` = 2; ``pa`` = 3 (q, k, v) and ``pf`` = 2 (w1, w3) projections read
+the two norms' outputs; ``r = (h + kv) qk_dim`` the rotated features; ``f`` the ffn width):
+
+- forward: 2 fused RMSNorms ``2 (2 s d + 4)`` (x in, y out, fp32 rstd), 2 residual adds
+  ``2 (2 s + a) d``, RoPE on q and k ``10 a r`` (neg of half, cat, two muls, add), SwiGLU
+  ``5 a f`` (silu, mul); under autocast each projection's cast of its norm's output
+  ``(pa + pf)(s + a) d``;
+- backward: the norms ``2 (3 s d + 4)``, the residual-gradient sums ``2 x 3 s d``, the sums of
+  the gradients of a norm output read by several projections ``(pa - 1 + pf - 1) 3 s d``, RoPE
+  ``10 a r``, SwiGLU ``9 a f``; under autocast the casts of the projections' input gradients
+  back to fp32 ``(pa + pf)(s + a) d`` and of the residual branches' gradients to bf16
+  ``2 (s + a) d``;
+- so a Llama block under autocast moves ``192 d + 40 r + 28 f + 16`` bytes per token (fwd
+  ``66 d + 20 r + 10 f + 8``), against ``60 d + 24 r + 18 f`` before this accounting;
+- the head (per token): the final norm, its output's cast, ``F.cross_entropy(logits.float())``:
+  ``(a + 4) v`` cast, ``8 v`` log_softmax, nll reads the target and its entry (``12``);
+  backward ``4 v`` nll's gradient (written whole), ``12 v`` log_softmax's, ``(4 + a) v`` the
+  cast back, the norm's and the cast's backward; the embedding's backward ``s d + 8``;
+- per parameter and micro-step under autocast: ``CAST_BYTES`` (6) for each matmul weight's
+  fp32 -> bf16 cast in the forward (again in a recomputed forward: the cache lives for one
+  autocast region) and 6 for its gradient's cast back; every micro-step after the first adds
+  ``ACCUMULATE_BYTES`` (12) per fp32 gradient; ``zero_grad(set_to_none=True)`` moves nothing
+  and clipping is in the optimizer's 32 bytes.
+
+``tests/unit/test_elementwise_measured.py`` checks the block's and the head's bytes per token
+and the block's bytes per parameter against every aten op torch runs for the real model on the
+CPU (a ``TorchDispatchMode`` summing the ops' input and output bytes). MLA, Gated DeltaNet and
+MoE mixers / experts keep the earlier estimate (backward twice the forward); Qwen3's q/k norms
+are not counted.
 """
 
 from __future__ import annotations
@@ -47,7 +79,10 @@ from ._spec import ModelSpec
 
 __all__ = [
     "LayerWork",
+    "block_elementwise",
     "flops_per_token",
+    "embedding_elementwise",
+    "head_elementwise",
     "kind_layer",
     "kind_of",
     "kind_pairs",
@@ -217,12 +252,105 @@ def saved_bytes(
     return tokens * (n * ab + extra)
 
 
+_NORM_STAT = 4  # fp32 rstd per token a fused RMSNorm writes (forward) and reads (backward)
+
+
+def block_elementwise(
+    spec: ModelSpec, kind: tuple[str, bool], tp: int, etp: int, ab: int, autocast: bool = False
+) -> tuple[float, float]:
+    """Bytes per token the memory-bound kernels of one block move (read + written), forward and
+    backward (NOTE [Element-wise traffic]). Parameter-sized traffic (weight casts, gradient
+    accumulation) is ``CAST_BYTES`` / ``ACCUMULATE_BYTES`` per parameter."""
+    mixer, moe = kind
+    d, a = spec.dim, ab
+    s = 4 if autocast else ab  # the residual stream's bytes
+    pa, pf = _projections(spec, mixer, moe)
+    dl = d / tp  # sequence-sharded under tensor parallelism
+    # two fused RMSNorms: read x, write y (the stream's dtype), rstd; backward reads g, x, rstd
+    # and writes dx
+    fwd = 2 * (2 * s * d + _NORM_STAT) / tp
+    bwd = 2 * (3 * s * d + _NORM_STAT) / tp
+    # residual adds x + branch (stream + bf16 -> stream); backward sums the residual gradient
+    # with the one through the norm (stream)
+    fwd += 2 * (2 * s + a) * dl
+    bwd += 2 * 3 * s * dl
+    # the gradients of a norm output read by several projections are summed (pa - 1 + pf - 1
+    # adds of stream-dtype tensors)
+    bwd += (pa - 1 + pf - 1) * 3 * s * d
+    if autocast:
+        # each projection casts its norm's fp32 output to bf16 (read 4, write 2); backward casts
+        # its input gradient back (read 2, write 4) and each residual branch's fp32 gradient to
+        # bf16 (the branch's output is bf16)
+        fwd += (pa + pf) * (s + a) * d
+        bwd += (pa + pf) * (s + a) * d + 2 * (s + a) * dl
+    # the token mixer
+    if mixer in ("attention", "gated_attention"):
+        # RoPE x * cos + cat(-x2, x1) * sin on q and k: neg (half), cat, two muls, add = 10
+        # elements read + written per rotated element; backward: two muls, neg, the chunk's
+        # cat, the sum of the two paths' gradients = 10 again
+        roped = (spec.n_heads + spec.n_kv_heads) * spec.qk_dim / tp
+        fwd += 10 * a * roped
+        bwd += 10 * a * roped
+    elif mixer == "mla":  # not derived op by op: RoPE-like traffic on the heads, backward 2x
+        m = 4 * (spec.n_heads + spec.n_kv_heads) * spec.qk_dim / tp * a
+        fwd, bwd = fwd + m, bwd + 2 * m
+    else:  # linear attention: not derived op by op
+        m = 6 * (spec.linear_num_value_heads * spec.linear_value_head_dim) / tp * a
+        fwd, bwd = fwd + m, bwd + 2 * m
+    # the feed-forward: SwiGLU silu(w1 x) * w3 x reads 2 writes 1 (silu 1 + 1); backward
+    # silu_backward (grad, input -> grad) and two muls (3 each)
+    if moe:
+        k = spec.top_k
+        m = (3 * spec.num_experts + 4 * k * d + 3 * k * spec.expert_hidden / etp + d) * a
+        fwd, bwd = fwd + m, bwd + 2 * m
+        if spec.shared_hidden:
+            fwd += 5 * a * spec.shared_hidden
+            bwd += 9 * a * spec.shared_hidden
+    else:
+        fwd += 5 * a * spec.ffn_hidden / tp
+        bwd += 9 * a * spec.ffn_hidden / tp
+    return fwd, bwd
+
+
+def head_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False):
+    """Bytes per token the memory-bound kernels of the head move, forward and backward: the
+    final norm, autocast's cast of its output, ``F.cross_entropy(logits.float())`` (the cast,
+    log_softmax, nll reading the target's entry; backward: nll's gradient written whole,
+    log_softmax's backward, the cast back to bf16) over the rank's ``vocab / tp`` logits
+    (NOTE [Element-wise traffic])."""
+    d, a, v = spec.dim, ab, spec.vocab_size / tp
+    s = 4 if autocast else ab
+    target = 8  # int64 target read by nll_loss forward and backward
+    fwd = (2 * s * d + _NORM_STAT) / tp + (a + 4) * v + 8 * v + 4 + target
+    bwd = 4 * v + target + 12 * v + (4 + a) * v + (3 * s * d + _NORM_STAT) / tp
+    if autocast:
+        fwd += (s + a) * d
+        bwd += (s + a) * d
+    return fwd, bwd
+
+
+def embedding_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False) -> float:
+    """Bytes per token of the embedding's backward (an index-add of the stream-dtype gradient
+    rows, reading the int64 token ids); its forward is a lookup (counted with the GEMMs)."""
+    return (4 if autocast else ab) * spec.dim / tp + 8
+
+
+#: bytes per matmul weight element per micro-step under autocast: the fp32 -> bf16 cast in the
+#: forward (read 4, write 2; again when a block is recomputed) and its gradient's cast back in
+#: the backward (read 2, write 4)
+CAST_BYTES = 6
+#: bytes per fp32 gradient element of each micro-step after the first (``grad += new``: read
+#: 2 x 4, write 4); the first assigns, ``zero_grad(set_to_none=True)`` moves nothing
+ACCUMULATE_BYTES = 12
+
+
 @dataclass(frozen=True)
 class LayerWork:
     """One block's forward on one rank for one microbatch.
 
     ``matmul``, ``attention``, ``grouped`` are FLOPs (dense GEMMs, the attention core, the
-    experts' grouped GEMMs); ``elementwise`` bytes moved by memory-bound kernels; ``tp_gathers``
+    experts' grouped GEMMs); ``elementwise`` / ``elementwise_backward`` bytes moved by the
+    memory-bound kernels of the forward / backward (NOTE [Element-wise traffic]); ``tp_gathers``
     / ``tp_scatters`` the tensor-parallel all-gathers / reduce-scatters of ``tp_bytes`` each;
     ``tp_grad_allreduce`` bytes all-reduced over tp in backward (MLA's replicated latent
     weights); ``cp_bytes`` the key/value bytes one ring step moves; ``cp_features`` the head
@@ -234,6 +362,7 @@ class LayerWork:
     attention: float
     grouped: float
     elementwise: float
+    elementwise_backward: float
     tp_gathers: int
     tp_scatters: int
     tp_bytes: float
@@ -247,9 +376,17 @@ class LayerWork:
 
 @lru_cache(maxsize=4096)
 def work(
-    spec: ModelSpec, kind: tuple[str, bool], tokens: int, seq: int, tp: int, etp: int, ab: int
+    spec: ModelSpec,
+    kind: tuple[str, bool],
+    tokens: int,
+    seq: int,
+    tp: int,
+    etp: int,
+    ab: int,
+    autocast: bool = False,
 ) -> LayerWork:
-    """The forward of one block of ``kind`` (see :class:`LayerWork`)."""
+    """The forward of one block of ``kind`` (see :class:`LayerWork`); ``autocast`` as in
+    :func:`saved_bytes` (it changes the element-wise traffic only)."""
     mixer, moe = kind
     layer = kind_layer(spec, kind)
     d, h, hd = spec.dim, spec.n_heads, spec.head_dim
@@ -275,20 +412,12 @@ def work(
         attention = 2 * t * nv / tp * (4 * dk * dv + 64 * (dk + dv))  # chunked delta rule
     else:
         attention = t * seq * h / tp * (spec.qk_dim + spec.v_dim)
-    # memory-bound kernels: norms, RoPE, SwiGLU, residual adds (read + write)
-    elem = 2 * d / tp + 3 * d / tp  # attention norm, residual
-    if mixer != "linear_attention":
-        elem += 4 * (h + spec.n_kv_heads) * spec.qk_dim / tp  # RoPE on q and k
-    else:
-        elem += 6 * (spec.linear_num_value_heads * spec.linear_value_head_dim) / tp
-    elem += 2 * d / tp + 3 * d / tp  # ffn norm, residual
+    # memory-bound kernels (NOTE [Element-wise traffic]): bytes per token, forward / backward
+    elem_f, elem_b = block_elementwise(spec, kind, tp, etp, ab, autocast)
     moe_elem = 0.0
     if moe:
         k = spec.top_k
-        moe_elem = 3 * spec.num_experts + 4 * k * d + 3 * k * spec.expert_hidden / etp + d
-        elem += moe_elem + (3 * spec.shared_hidden if spec.shared_hidden else 0)
-    else:
-        elem += 3 * spec.ffn_hidden / tp
+        moe_elem = (3 * spec.num_experts + 4 * k * d + 3 * k * spec.expert_hidden / etp + d) * ab
     gathers = 2 if tp > 1 else 0
     scatters = (2 if not moe or etp > 1 else 1) if tp > 1 else 0
     grad_ar = max(mix_repl, 0) * ab if (mixer == "mla" and tp > 1) else 0.0
@@ -302,7 +431,8 @@ def work(
         matmul=matmul,
         attention=attention,
         grouped=grouped,
-        elementwise=t * elem * ab,
+        elementwise=t * elem_f,
+        elementwise_backward=t * elem_b,
         tp_gathers=gathers,
         tp_scatters=scatters,
         tp_bytes=t * d * ab,
@@ -311,5 +441,5 @@ def work(
         cp_features=h * spec.v_dim / tp if mixer != "linear_attention" else 0.0,
         a2a_bytes=t * spec.top_k * d * ab if moe else 0.0,
         moe_grouped=grouped,
-        moe_elementwise=t * moe_elem * ab,
+        moe_elementwise=t * moe_elem,
     )

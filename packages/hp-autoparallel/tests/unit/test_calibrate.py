@@ -23,6 +23,7 @@ FIELDS = {
         "attention_tflops",
         "grouped_gemm_tflops",
         "memory_gbps",
+        "elementwise_gbps",
         "host_link_gbps",
         "optimizer_gbps",
     ),
@@ -95,6 +96,46 @@ def test_estimate_uses_the_measured_optimizer_rate(written, tmp_path):
     a = estimate(*args, cal, load_cluster("cpu")).time.optimizer
     b = estimate(*args, slow_cal, load_cluster("cpu")).time.optimizer
     assert b > a * 10
+
+
+def test_estimate_uses_the_measured_elementwise_rate(written, tmp_path):
+    from hp_autoparallel import Plan, Workload, estimate, load_cluster, model_spec
+
+    cal = GpuCalibration.from_toml(written)
+    assert cal.elementwise_bandwidth and cal.elementwise_rate == cal.elementwise_bandwidth
+    text = written.read_text().replace("elementwise_gbps = ", "elementwise_gbps = 1e-3\n# was: ")
+    slow = tmp_path / "slow.toml"
+    slow.write_text(text)
+    args = (model_spec("llama3-tiny"), Plan(1, 1), Workload(2, 64))
+    a = estimate(*args, cal, load_cluster("cpu")).time.compute
+    b = estimate(*args, GpuCalibration.from_toml(slow), load_cluster("cpu")).time.compute
+    assert b > a * 10
+    # a file without the field falls back to the memory bandwidth
+    bare = tmp_path / "bare.toml"
+    bare.write_text(
+        "\n".join(ln for ln in text.splitlines() if not ln.startswith("elementwise_gbps"))
+    )
+    old = GpuCalibration.from_toml(bare)
+    assert old.elementwise_bandwidth is None and old.elementwise_rate == old.memory_bandwidth
+
+
+def test_elementwise_rate_is_bytes_over_the_two_kernels_time(monkeypatch):
+    """silu(a) * b moves 5 operands' bytes (silu 2, the product 3), the fp32 add 3."""
+    pytest.importorskip("torch")
+    import dataclasses
+
+    import torch
+
+    from hp_autoparallel import _calibrate as C
+
+    times = iter([1.0, 3.0])  # seconds: the SwiGLU kernels, then the add
+    monkeypatch.setattr(C, "_median_time", lambda *a, **k: next(times))
+    sizes = dataclasses.replace(C._SIZES[("cpu", True)], copy_bytes=1 << 20)
+    cal = C.Calibration("x", "bfloat16", "cpu")
+    C._elementwise(cal, sizes, torch.device("cpu"), torch.bfloat16)
+    n, m = (1 << 19) // 2, (1 << 19) // 4  # bf16 and fp32 elements of each operand
+    expect = (5 * n * 2 + 3 * m * 4) / 4.0 / 1e9
+    assert cal.fields[("rates", "elementwise_gbps")].value == pytest.approx(expect)
 
 
 def test_bad_arguments_are_named():

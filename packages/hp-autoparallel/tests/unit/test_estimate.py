@@ -106,7 +106,9 @@ def test_recompute_modes_by_hand():
     # time: full recomputation runs each block's forward again
     mm = 2 * T * 218_103_808 / 1e15
     at = T * 4096 * H * 256 / 5e14
-    el = T * (10 * D + 4 * (H + KV) * HD + 3 * F) * 2 / 1e12
+    # the forward's element-wise bytes (NOTE [Element-wise traffic], bf16 stream under FSDP):
+    # norms, residual adds, RoPE, SwiGLU
+    el = T * (20 * D + 20 * (H + KV) * HD + 10 * F + 8) / 1e12
     assert full.time.recompute == pytest.approx(4 * L * (mm + at + el))
     assert sel.time.recompute == pytest.approx(4 * L * (el + 1e-3))
     assert none.time.recompute == 0
@@ -117,10 +119,18 @@ def test_step_time_fsdp_by_hand():
     t = est.time
     mm = 2 * T * 218_103_808 / 1e15  # the block's GEMMs
     at = T * 4096 * H * (HD + HD) / 5e14  # causal attention: half of the s x s pairs, x 2
-    el = T * (10 * D + 4 * (H + KV) * HD + 3 * F) * 2 / 1e12  # norms, RoPE, SwiGLU, residuals
-    block = (mm + at + el) + (mm + 2.5 * at + 2 * el) + mm  # forward, input grad, weight grad
-    head = 3 * (2 * T * D * V / 1e15) + T * V * (16 + 20) / 1e12
-    assert t.compute == pytest.approx(4 * (L * block + head))
+    # element-wise bytes (NOTE [Element-wise traffic], bf16 stream under FSDP): norms, residual
+    # adds, RoPE, SwiGLU forward; backward adds the gradient sums of the residual and of the
+    # norm outputs read by several projections
+    r = (H + KV) * HD
+    el = T * (20 * D + 20 * r + 10 * F + 8) / 1e12
+    el_b = T * (42 * D + 20 * r + 18 * F + 8) / 1e12
+    block = (mm + at + el) + (mm + 2.5 * at + el_b) + mm  # forward, input grad, weight grad
+    # the output GEMMs; final norm, logits.float(), log_softmax, nll and their backwards; the
+    # embedding's backward
+    head = 3 * (2 * T * D * V / 1e15) + T * (10 * D + 36 * V + 28) / 1e12 + T * (2 * D + 8) / 1e12
+    accumulate = 3 * P / 8 * 12 / 1e12  # three micro-steps add into the fp32 gradient shards
+    assert t.compute == pytest.approx(4 * (L * block + head) + accumulate)
     # FSDP: gathers (bf16) and reduce-scatters (fp32) over 8 ranks, 7/8 of the bytes each;
     # exposed: the root's and the first block's gathers, the last block's gather at the start
     # of backward, the first block's and the root's reductions; the rest hides under compute
