@@ -15,6 +15,7 @@ import hashlib
 import numpy as np
 
 from ._backend import get_platform
+from ._json_comm import broadcast_json
 from ._placement import Partial, Replicate, Shard, normalize_placements
 from ._shard_math import local_shape_and_offset
 from ._spec import DTensorSpec
@@ -290,12 +291,6 @@ def _dtype(platform, name: str):
     return value
 
 
-def _broadcast_json(platform, value, src: int, group, device):
-    from ._json_comm import broadcast_json
-
-    return broadcast_json(value, src, group, device=device, platform=platform)
-
-
 class TransferHandle:
     """A state-dict transfer in flight (``transfer_state_dict(..., async_op=True)``): the
     sends and receives are posted; ``wait()`` finishes them and returns the destination's
@@ -383,8 +378,8 @@ def transfer_state_dict(src_state_dict, dst_layouts, *, src_mesh, dst_mesh, asyn
             name: [_encode(p) for p in (pl if isinstance(pl, (list, tuple)) else [pl])]
             for name, pl in dst_layouts.items()
         }
-    src_meta = _broadcast_json(platform, src_meta, src_ranks[0], group, device)
-    dst_meta = _broadcast_json(platform, dst_meta, dst_ranks[0], group, device)
+    src_meta = broadcast_json(src_meta, src_ranks[0], group, device=device, platform=platform)
+    dst_meta = broadcast_json(dst_meta, dst_ranks[0], group, device=device, platform=platform)
     if sorted(src_meta) != sorted(dst_meta):
         missing = sorted(set(src_meta) ^ set(dst_meta))
         raise ShardingError(
