@@ -2,7 +2,8 @@
 
 Memory and step-time models of hp-train's configurations (``estimate``), an N-D search over
 data / tensor / pipeline / context / expert parallelism, microbatches, schedules and
-recomputation (``search``), and the ``hp-plan`` CLI that ranks them and writes an hp-train
+recomputation (``search``), a per-layer keep / recompute / swap policy for an activation
+budget (``offload_policy``), and the ``hp-plan`` CLI that ranks them and writes an hp-train
 TOML for the best. The planning core is pure Python (importing this package imports no
 torch); the search reads hp-trainer's model registry and degree checks and hp-pipeline's
 schedules, simulator and stage balancing through their public APIs.
@@ -10,6 +11,7 @@ schedules, simulator and stage balancing through their public APIs.
 
 from ._estimate import Estimate, Evaluator, MemoryEstimate, StepTime, estimate
 from ._hardware import Cluster, GpuCalibration, Link, load_cluster, load_gpu, shipped_gpus
+from ._offload import ACTIONS, LayerCost, OffloadPolicy, offload_policy, simulate
 from ._plan import RECOMPUTE, SCHEDULES, Plan, StageLayout, Workload
 from ._search import Rejection, SearchResult, nearest_gpu_count, search
 from ._spec import LayerParams, ModelSpec, known_models, model_spec, spec_from_config
@@ -27,6 +29,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACTIONS",
     "RECOMPUTE",
     "SCHEDULES",
     "CalibrationError",
@@ -36,10 +39,12 @@ __all__ = [
     "Evaluator",
     "GpuCalibration",
     "LayerParams",
+    "LayerCost",
     "Link",
     "MemoryEstimate",
     "ModelSpec",
     "NoPlanError",
+    "OffloadPolicy",
     "Plan",
     "PlanError",
     "PlanTypeError",
@@ -56,8 +61,10 @@ __all__ = [
     "load_gpu",
     "model_spec",
     "nearest_gpu_count",
+    "offload_policy",
     "search",
     "shipped_gpus",
+    "simulate",
     "spec_from_config",
     "train_config",
     "write_train_config",
