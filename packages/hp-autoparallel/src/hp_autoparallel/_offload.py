@@ -14,9 +14,10 @@ copy starts when its forward ends and copies run one after another; forward wait
 than ``max_inflight_bytes`` are still to copy; a swapped layer's tensors start coming back
 when backward reaches the swapped layer after it (the next one backward meets), so the copy
 back of layer *k* overlaps backward from the later swapped layer down to *k*; a device copy
-is freed when its transfer ends. It returns the activation peak (saved tensors, the
-recomputed set, restored and still-to-copy bytes, parameter gradients made so far and a
-layer's backward temporaries) and the time beyond keeping everything.
+is freed when the manager next looks after its transfer ends (a swapped layer's forward or
+backward), not by the kept and recomputed layers between. It returns the activation peak
+(saved tensors, the recomputed set, restored and not-yet-freed bytes, parameter gradients
+made so far and a layer's backward temporaries) and the time beyond keeping everything.
 
 :func:`offload_policy` searches the actions: from every layer recomputed, swapped or kept,
 it first lowers the peak one layer's change at a time until it fits, then applies the
@@ -143,12 +144,19 @@ def simulate(
     t = 0.0
     copy_free = 0.0
     out_done = [0.0] * n  # when a swapped layer's copy to the host ends
-    pending: list[tuple[float, int]] = []  # (end of copy, bytes) of copies not known done
+    # (end of copy, bytes): device copies not yet freed. As in SwapManager, a device copy is
+    # freed when the manager next looks (a swapped layer's forward or backward, or the
+    # forward waiting on the cap), not when its transfer ends: kept and recomputed layers
+    # run no hook, so a copy done during them stays until the next swapped layer
+    pending: list[tuple[float, int]] = []
     held = [0] * n  # device bytes each layer holds between its forward and its backward
     peak = other_bytes
 
     def live(now: float) -> int:
-        return sum(b for end, b in pending if end > now)
+        return sum(b for _, b in pending)
+
+    def drain(now: float) -> None:
+        pending[:] = [(end, b) for end, b in pending if end > now]
 
     for i, (c, a) in enumerate(zip(layers, actions)):
         t += c.forward_s
@@ -162,8 +170,10 @@ def simulate(
             pending.append((out_done[i], c.saved_bytes))
             # the forward produced these bytes before its copy could take them
             peak = max(peak, other_bytes + sum(held) + live(t))
+            drain(t)  # the region's end frees the copies that are done
             while live(t) > cap:  # forward waits for the oldest copies
-                t = min(end for end, _ in pending if end > t)
+                end, _ = pending.pop(0)
+                t = max(t, end)
         peak = max(peak, other_bytes + sum(held) + live(t))
     # the head and the loss run beside every held layer; copies go on meanwhile, so what is
     # still to copy at their end is the least they overlap with
@@ -187,6 +197,7 @@ def simulate(
     for i in range(n - 1, -1, -1):
         c, a = layers[i], actions[i]
         if a == "swap":
+            drain(t)  # the first unpack frees the device copies that are done
             restore(i, t)
             k = swapped.index(i)
             if k > 0:  # prefetch the swapped layer backward meets next
@@ -251,8 +262,8 @@ def offload_policy(
 ) -> OffloadPolicy:
     """The per-layer actions that make the step fastest with the simulated activation peak
     within ``budget_bytes`` (the other arguments as :func:`simulate`'s; ``allow``: the actions
-    to choose from). Raises :class:`~hp_autoparallel.errors.PlanError` naming the smallest
-    budget that can work when none fits."""
+    to choose from). Raises :class:`~hp_autoparallel.errors.PlanError` naming the least peak
+    the search reached when it fits none (a local search: the true least may be lower)."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise PlanTypeError(
             f"offload_policy: budget_bytes={budget_bytes!r} is a {type(budget_bytes).__name__}: "
@@ -300,7 +311,9 @@ def offload_policy(
         smallest = peak if smallest is None else min(smallest, peak)
         if peak > budget_bytes:
             continue
-        while True:  # the change that saves the most time and still fits
+        # the change that saves the most time and still fits; the cap guards the tolerance
+        # in _better, which is not transitive at the scale of tol
+        for _ in range(4 * n * len(allow)):
             move = None
             # one layer's change first; where none helps, two layers' at once (trading one
             # layer's memory for another's time)
@@ -323,7 +336,7 @@ def offload_policy(
     if best is None:
         raise PlanError(
             f"offload_policy: budget_bytes={budget_bytes} ({budget_bytes / 2**30:.2f} GiB) is "
-            f"below what any per-layer choice needs: the least is {smallest} bytes "
+            f"below what this search could fit: the least it found is {smallest} bytes "
             f"({smallest / 2**30:.2f} GiB); raise the budget to at least that"
         )
     return best

@@ -56,9 +56,10 @@ def test_swap_hides_on_a_fast_link_and_shows_on_a_slow_one():
     acts = ["swap", "keep", "keep", "keep"]
     fast_peak, fast_extra = simulate(layers, acts, d2h_bytes_per_s=1e15)
     assert fast_extra == pytest.approx(0.0, abs=1e-6)
-    # layer 3's backward: layers 1-3 held; layer 0 comes back only when backward reaches it
-    # (no swapped layer after it to trigger a prefetch), once the others are freed
-    assert fast_peak == 300 * MIB
+    # layer 3's backward: layers 1-3 held, and layer 0's device copy too: its transfer is
+    # done, but SwapManager frees it only when it next looks (no swapped layer until layer
+    # 0's own backward)
+    assert fast_peak == 300 * MIB + 100 * MIB
     # 100 MiB at 10 MB/s: ~10.5 s out, after layer 0's 1 ms forward; backward waits for the
     # copy out (due at ~10.49 s) and then the copy back (another ~10.49 s)
     slow = 100 * MIB / 1e7
@@ -66,6 +67,14 @@ def test_swap_hides_on_a_fast_link_and_shows_on_a_slow_one():
     t_needed = 1e-3 + slow + slow  # when layer 0's tensors are back
     t_reached = 4e-3 + 3 * 2e-3  # when backward would reach layer 0 without swap
     assert extra == pytest.approx(t_needed - t_reached)
+
+
+def test_a_done_copy_is_freed_at_the_next_swapped_layer():
+    layers = [_layer(grad_bytes=0, backward_extra_bytes=0)] * 4
+    peak, _ = simulate(layers, ["swap", "keep", "swap", "keep"], d2h_bytes_per_s=1e15)
+    # layer 2's forward frees layer 0's device copy; layer 2's own stays until backward
+    # reaches layer 2 (layers 1 and 3 held, layer 2's copy not yet freed)
+    assert peak == 300 * MIB
 
 
 def test_inflight_cap_stalls_the_forward():
@@ -109,7 +118,8 @@ def _random_case(rng, n):
 @pytest.mark.parametrize("seed", range(12))
 def test_search_against_exhaustive(seed):
     """On 5 layers (243 action lists), for budgets across the range: the policy fits, and is
-    within 5% of a step of the fastest list that fits (a local search: equal in 47 of 48)."""
+    within 1% of a step of the fastest list that fits (a local search; it equals it in all 48
+    today); below the least peak of all it refuses."""
     rng = random.Random(seed)
     layers, kw = _random_case(rng, 5)
     every = {acts: simulate(layers, acts, **kw) for acts in itertools.product(ACTIONS, repeat=5)}
@@ -123,7 +133,9 @@ def test_search_against_exhaustive(seed):
         assert pol.peak_bytes <= budget
         best = min(e for p, e in every.values() if p <= budget)
         total = sum(c.forward_s + c.backward_s for c in layers)
-        assert pol.extra_s <= best + 0.05 * total, (pol, best)
+        assert pol.extra_s <= best + 0.01 * total, (pol, best)
+    with pytest.raises(PlanError, match="the least it found"):
+        offload_policy(layers, lo - 1, **kw)
 
 
 def test_beats_every_uniform_mode_that_fits():
@@ -170,7 +182,7 @@ def test_trainer_plan_is_what_hp_trainer_parses():
 
 def test_budget_too_small_names_the_least():
     layers = [_layer()] * 4
-    with pytest.raises(PlanError, match=r"budget_bytes=1 .*the least is \d+ bytes"):
+    with pytest.raises(PlanError, match=r"budget_bytes=1 .*the least it found is \d+ bytes"):
         offload_policy(layers, 1, d2h_bytes_per_s=50e9)
 
 
