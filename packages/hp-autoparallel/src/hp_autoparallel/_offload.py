@@ -152,7 +152,7 @@ def simulate(
     held = [0] * n  # device bytes each layer holds between its forward and its backward
     peak = other_bytes
 
-    def live(now: float) -> int:
+    def live() -> int:
         return sum(b for _, b in pending)
 
     def drain(now: float) -> None:
@@ -169,16 +169,16 @@ def simulate(
             copy_free = out_done[i] = start + c.saved_bytes / d2h
             pending.append((out_done[i], c.saved_bytes))
             # the forward produced these bytes before its copy could take them
-            peak = max(peak, other_bytes + sum(held) + live(t))
+            peak = max(peak, other_bytes + sum(held) + live())
             drain(t)  # the region's end frees the copies that are done
-            while live(t) > cap:  # forward waits for the oldest copies
+            while live() > cap:  # forward waits for the oldest copies
                 end, _ = pending.pop(0)
                 t = max(t, end)
-        peak = max(peak, other_bytes + sum(held) + live(t))
+        peak = max(peak, other_bytes + sum(held) + live())
     # the head and the loss run beside every held layer; copies go on meanwhile, so what is
     # still to copy at their end is the least they overlap with
     t += head_s
-    peak = max(peak, other_bytes + head_bytes + sum(held) + live(t))
+    peak = max(peak, other_bytes + head_bytes + sum(held) + live())
 
     swapped = [i for i in range(n) if actions[i] == "swap"]
     back_done: dict[int, float] = {}  # when a swapped layer's tensors are back on the device
@@ -208,7 +208,7 @@ def simulate(
         below = sum(held[:i])
         peak = max(
             peak,
-            other_bytes + below + held[i] + sum(restored.values()) + live(t) + grads + working,
+            other_bytes + below + held[i] + sum(restored.values()) + live() + grads + working,
         )
         t += c.backward_s + (c.forward_s if a == "recompute" else 0.0)
         held[i] = 0
