@@ -22,6 +22,7 @@ from ._groups import (
     init_process_group,
     mark_created_groups,
     new_group,
+    register_cleanup,
     split_group,
 )
 from ._init import init_empty_weights, init_on_device, init_parameters
@@ -104,6 +105,7 @@ __all__ = [
     "chunk_size_and_offset",
     "custom_shard",
     "destroy_process_group",
+    "register_cleanup",
     "distribute_module",
     "distribute_tensor",
     "framework_of",

@@ -834,8 +834,14 @@ def distribute_tensor(
     else:
         rspec = (_REPLICATE,) * device_mesh.ndim
         local = redistribute_local(full, device_mesh, rspec, placements, spec.shape).contiguous()
-        if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-            local = local.clone()  # never alias the caller's tensor
+        st = local.untyped_storage()
+        # never alias the caller's tensor (the same storage, compared by its object: a fake
+        # tensor has no address), nor keep the whole tensor's storage under a shard (a view
+        # of the broadcast copy would hold every rank's part)
+        if st._cdata == tensor.untyped_storage()._cdata or (
+            st.nbytes() > local.numel() * local.element_size()
+        ):
+            local = local.clone()
     local = local.detach().requires_grad_(requires_grad)
     return _make(local, spec)
 

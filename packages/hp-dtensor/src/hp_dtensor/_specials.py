@@ -286,6 +286,9 @@ def _register_specials() -> None:
             _SPECIAL[fn] = _metadata if fn is not torch.numel else (lambda f, a, k: a[0].numel())
     for name in ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"):
         _SPECIAL[getattr(T, name)] = _new_factory
+    # the storage this rank holds is the local shard's (memory tools such as torch's MemTracker
+    # count storages; a gathered copy would count the whole tensor on every rank)
+    _SPECIAL[T.untyped_storage] = lambda f, a, k: a[0]._local.untyped_storage()
     for name in (
         "uniform_",
         "normal_",

@@ -287,3 +287,29 @@ def test_device_moves_keep_placements(pool):
         warnings.simplefilter("error")  # no fallback warning either
         res = pool.run(_device_moves)
     assert res[0] == [("S(0)", (2, 2))] * 3
+
+
+def _storage_is_the_shard():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    x = make_dtensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+    st = x.untyped_storage()
+    return st.nbytes(), st._cdata == x.to_local().untyped_storage()._cdata
+
+
+def test_untyped_storage_is_the_local_shard(pool):
+    """A DTensor's storage is what this rank holds (memory tools such as torch's MemTracker,
+    and hp-plan's dry run, count it): the shard's, not a gathered copy's."""
+    assert pool.run(_storage_is_the_shard) == [(24, True), (24, True)]
+
+
+def _broadcast_shard_is_compact():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    full = torch.arange(12.0).reshape(4, 3)
+    x = hp.distribute_tensor(full, mesh, [Shard(0)], src_data_rank=0)
+    return x.to_local().untyped_storage().nbytes(), torch.equal(x.full_tensor(), full)
+
+
+def test_distributed_shard_holds_only_its_rows(pool):
+    """distribute_tensor with a source rank: the broadcast copy is the whole tensor, and a
+    row shard of it is a view; the shard must not keep the whole copy alive."""
+    assert pool.run(_broadcast_shard_is_compact) == [(24, True), (24, True)]

@@ -129,6 +129,7 @@ def _to_cpu(sp: nn.Parameter, pin: bool) -> nn.Parameter:
 
 # (tp mesh, dp mesh) -> the 2-D mesh spanning both: keyed by immutable meshes
 _TP_DP_MESHES: dict = {}
+hp.register_cleanup(_TP_DP_MESHES.clear)  # they hold groups: gone with the process group
 
 
 def _shard_tp_param(p: DTensor, dp_mesh: DeviceMesh):
