@@ -27,9 +27,11 @@ from .errors import KernelsTypeError, KernelsValueError
 
 __all__ = [
     "Permutation",
+    "balanced_split",
     "count_experts",
     "expert_order",
     "gather_rows",
+    "has_data",
     "permute_tokens",
     "swiglu",
     "unpermute_tokens",
@@ -81,6 +83,22 @@ def count_experts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out.scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def has_data(t: torch.Tensor) -> bool:
+    """False for a fake tensor (``FakeTensorMode``: a dry run builds the model with shapes and
+    no storage), whose values cannot be read on the host; True otherwise. Code that must read
+    routing counts on the host asks this first and, in a dry run, assumes balanced routing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor)
+
+
+def balanced_split(total: int, parts: int) -> list[int]:
+    """``total`` rows over ``parts`` as evenly as integers allow (the first ``total % parts``
+    get one more): the routing a dry run assumes where the real one is data."""
+    q, r = divmod(total, parts)
+    return [q + (i < r) for i in range(parts)]
+
+
 def _check_range(flat: torch.Tensor, buckets: int) -> None:
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= buckets):
         raise KernelsValueError(f"expert ids must lie in [0, num_experts={buckets})")
@@ -89,6 +107,8 @@ def _check_range(flat: torch.Tensor, buckets: int) -> None:
 def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order and counts of CPU ids: the compiled O(n) counting sort (range checked on
     the way), or torch's stable sort where the module was not built."""
+    if not has_data(flat):  # a fake tensor (a dry run): no data to read or check
+        return torch.sort(flat, stable=True).indices, count_experts(flat, buckets)
     if not is_built():
         _check_range(flat, buckets)
         return torch.sort(flat, stable=True).indices, count_experts(flat, buckets)
@@ -148,7 +168,7 @@ def expert_order(
                 f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, "
                 f"got {keep.dtype} {tuple(keep.shape)}"
             )
-        if on_cpu:
+        if on_cpu and has_data(flat):  # (a fake tensor has no data to check)
             _check_range(flat, num_experts)  # before the dropped ones take the extra bucket
         flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: one bucket past the end
         buckets = num_experts + 1

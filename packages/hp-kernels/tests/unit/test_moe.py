@@ -124,3 +124,28 @@ def test_count_experts_and_gather_rows():
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(5)
     assert torch.autograd.gradcheck(lambda s: moe.gather_rows(s, order, inverse), (src,))
+
+
+def test_fake_tensors_are_ordered_without_reading_their_data():
+    """Under FakeTensorMode (hp-plan's dry run) ids have no data: has_data says so, and
+    expert_order / permute_tokens take torch's sort instead of the compiled kernel (which reads
+    raw pointers) and skip the range check, with the shapes and dtypes of a real call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hp_kernels.moe import balanced_split, expert_order, has_data, permute_tokens
+
+    ids = torch.tensor([[3, 0], [1, 3], [2, 2]])
+    real_order, real_counts = expert_order(ids, 4)
+    assert has_data(ids)
+    with FakeTensorMode() as mode:
+        fake_ids = mode.from_tensor(ids)
+        assert not has_data(fake_ids)
+        order, counts = expert_order(fake_ids, 4)
+        keep = mode.from_tensor(torch.tensor([[True, False], [True, True], [False, True]]))
+        kept_order, kept_counts = expert_order(fake_ids, 4, keep=keep)
+        perm = permute_tokens(mode.from_tensor(torch.randn(3, 8)), fake_ids, 4)
+    assert order.shape == real_order.shape and order.dtype == real_order.dtype
+    assert counts.shape == real_counts.shape == (4,) and kept_counts.shape == (4,)
+    assert kept_order.shape == (6,) and perm.tokens.shape == (6, 8)
+    assert balanced_split(10, 4) == [3, 3, 2, 2] and balanced_split(8, 4) == [2, 2, 2, 2]
+    assert sum(balanced_split(7, 3)) == 7

@@ -418,7 +418,11 @@ class AllToAllDispatcher(TokenDispatcher):
         by_source = self._exchange_counts(counts)
         # NOTE [Host syncs]: the one device-to-host copy of this layer's dispatch
         splits = torch.stack([counts.sum(1), by_source.sum(1)])
-        in_splits, out_splits = (list(s) for s in splits.tolist())
+        if kmoe.has_data(splits):
+            in_splits, out_splits = (list(s) for s in splits.tolist())
+        else:  # a dry run (fake tensors): routing unknown, taken as balanced over the ranks
+            in_splits = kmoe.balanced_split(int(rows.shape[0]), ep)
+            out_splits = list(in_splits)
         sent = sum(in_splits)
         if sent < rows.shape[0]:  # copies dropped over capacity are last: not sent
             rows = rows[:sent]

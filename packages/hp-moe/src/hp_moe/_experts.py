@@ -8,6 +8,7 @@ reads the placements to know which reductions its forward needs, so no flag is s
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hp_dtensor as hp
+import hp_kernels.moe as kmoe
 from hp_dtensor import DTensor, Shard
 from hp_kernels.moe import swiglu
 
@@ -64,7 +66,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch`` has a grouped matmul for these operands: the op exists, the device and
     dtype have a kernel, and every row stride is a multiple of 16 bytes (the kernels' rule)."""
     dtypes = _GMM_DTYPES.get(x.device.type, ())
-    if torch.compiler.is_compiling():  # the op's meta function (what compile traces) wants bf16
+    if torch.compiler.is_compiling() or not kmoe.has_data(x):
+        # the op's meta function (what compile traces, and fake tensors run) wants bf16
         dtypes = tuple(d for d in dtypes if d == torch.bfloat16)
     if _GMM is None or x.dtype not in dtypes:
         return False
@@ -96,7 +99,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     if grouped_mm_supported(x, w):
         return _GMM(x, w.transpose(-2, -1), offs=offsets)
     out = x.new_zeros((x.shape[0], w.shape[1]))
-    bounds = [0, *offsets.tolist()]
+    if kmoe.has_data(offsets):
+        bounds = [0, *offsets.tolist()]
+    else:  # a dry run (fake tensors): routing unknown, taken as balanced over the experts
+        bounds = [0, *itertools.accumulate(kmoe.balanced_split(x.shape[0], w.shape[0]))]
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:

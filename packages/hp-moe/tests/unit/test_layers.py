@@ -503,3 +503,18 @@ def test_aux_loss_scale_scales_its_gradient():
     torch.testing.assert_close(grads[1], grads[0] * 0.25)
     with pytest.raises(MoEConfigError, match="scale=0"):
         hp_moe.set_aux_loss_scale(moe, 0)
+
+
+def test_grouped_mm_of_fake_tensors_runs_balanced():
+    """Under FakeTensorMode (hp-plan's dry run) the offsets cannot be read: the fp32 loop of
+    matmuls splits the rows evenly over the experts, with the output a real call has."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hp_moe import grouped_mm
+
+    x, w = torch.randn(10, 8), torch.randn(3, 6, 8)
+    offsets = torch.tensor([4, 7, 10], dtype=torch.int32)
+    real = grouped_mm(x, w, offsets)
+    with FakeTensorMode() as mode:
+        out = grouped_mm(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(offsets))
+    assert out.shape == real.shape == (10, 6) and out.dtype == real.dtype
