@@ -370,8 +370,62 @@ class PipelineSchedule:
         # first transfer (the first step); stages given input_args check it
         self._in_meta: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
         self._sent_meta: dict[int, bool] = {}
+        self._declared_out: dict[int, list[tuple[torch.Size, torch.dtype]]] = {}
+        self._stepped = False  # declare_input_shapes only before the first step
 
     # -- public -------------------------------------------------------------------------------
+    def declare_input_shapes(self, shapes: dict) -> None:
+        """Declare, before the first step, the tensors (``[(shape, dtype), ...]``) each stage
+        receives from the stage before it, for ``shapes``' stages 1 .. n-1. A declared channel
+        carries no header: this rank's declared stages allocate their receive buffers from the
+        declaration, and its stages that feed a declared stage send no header and check their
+        outputs against it (a mismatch raises). Every rank must declare the same stages, as a
+        header sent to a rank that declared would never be read, and a declaring sender's
+        first transfer would be read as a header by a rank that did not. What ``hp-plan
+        dry-run`` uses: torch's fake process group delivers nothing, so no header could be
+        read. On a real group a sender whose outputs differ from the declaration raises on its
+        rank alone (its peer then waits on a transfer that never comes): declare what the
+        stages send."""
+        if not isinstance(shapes, dict):
+            raise PipelineTypeError(
+                f"declare_input_shapes: shapes is a {type(shapes).__name__}: give a dict "
+                "{stage: [(shape, dtype), ...]}"
+            )
+        if self._stepped:
+            raise PipelineError("declare_input_shapes: call it before the first step")
+        n = len(self.placement)
+        clean = {}
+        for stage, meta in shapes.items():
+            if isinstance(stage, bool) or not isinstance(stage, int):
+                raise PipelineTypeError(
+                    f"declare_input_shapes: stage {stage!r} is a {type(stage).__name__}: give "
+                    "int stage indices"
+                )
+            if not 0 < stage < n:
+                raise PipelineError(
+                    f"declare_input_shapes: stage {stage!r}: give stages 1 .. {n - 1} (stage 0 "
+                    "takes the step's inputs)"
+                )
+            try:
+                clean[stage] = [(torch.Size(sh), dt) for sh, dt in meta]
+            except (TypeError, ValueError):
+                raise PipelineTypeError(
+                    f"declare_input_shapes: stage {stage}: {meta!r} is not a list of "
+                    "(shape, dtype) pairs"
+                ) from None
+            for _, dt in clean[stage]:
+                if dt not in _DTYPES:
+                    raise PipelineTypeError(
+                        f"declare_input_shapes: stage {stage}: dtype {dt!r} cannot travel "
+                        f"between stages (use one of {list(_DTYPES)})"
+                    )
+        for stage, meta in clean.items():
+            if stage in self.stages:
+                self._in_meta[stage] = meta
+            if stage - 1 in self.stages:
+                self._sent_meta[stage - 1] = True
+                self._declared_out[stage - 1] = meta
+
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One pipelined forward and backward of a batch.
 
@@ -397,6 +451,7 @@ class PipelineSchedule:
                 raise PipelineError(f"rank {self.rank} holds the last stage: pass target=")
             spec = self.batch_spec or BatchDimSpec()
             targets = _split_one(target, m, spec.target_dim, "target")
+        self._stepped = True
         run = _Run(self, mbs, targets)
         try:
             run.execute()
@@ -449,6 +504,7 @@ class _Run:
         self.outputs: dict[int, torch.Tensor] = {}
         self.recv: dict[tuple, tuple[list, list[torch.Tensor]]] = {}  # key -> (works, buffers)
         self.sends: list = []
+        self.sent: list[torch.Tensor] = []  # what the sends read, until they are waited
         self.local_f: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> outputs of stage-1
         self.local_b: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads from stage+1
         self.input_grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads to send
@@ -506,6 +562,7 @@ class _Run:
         for w in self.sends:
             w.wait()
         self.sends.clear()
+        self.sent.clear()
         if self.recv:  # pragma: no cover - check_schedule makes every RECV have a consumer
             raise ScheduleError(f"rank {s.rank}: received but never used: {sorted(self.recv)}")
         if rec:
@@ -523,6 +580,14 @@ class _Run:
             st = s.stages[step.stage]
             if step.type is T.SEND_F and not s._sent_meta.get(step.stage):
                 self.headers[step.stage] = _header(st.outputs(step.microbatch), st.device)
+                continue
+            if step.type is T.SEND_F and step.stage in s._declared_out:
+                got = [(o.shape, o.dtype) for o in st.outputs(step.microbatch)]
+                if got != s._declared_out[step.stage]:
+                    raise PipelineError(
+                        f"stage {step.stage} sends {got}, stage {step.stage + 1} was declared "
+                        f"to receive {s._declared_out[step.stage]} (declare_input_shapes)"
+                    )
                 continue
             if step.type is T.RECV_B:  # a gradient for every floating-point output
                 outs = st.outputs(step.microbatch)
@@ -695,6 +760,10 @@ class _Run:
         out += [x.contiguous() for x in tensors]
         for x in out:  # one transfer per call: see hp_pipeline._sim on channels
             self.sends.extend(self.platform.batch_p2p([(x, peer)], [], pg, tag=tag))
+            # held here until the sends are waited at the step's end, on every backend (a
+            # gloo work holds its tensor so; a fake group's does not, and hp-plan dry-run
+            # must see the same lifetime)
+            self.sent.append(x)
 
     def post_recv(self, step: MetaStep) -> None:
         pg, peer, tag = self._peer(step)

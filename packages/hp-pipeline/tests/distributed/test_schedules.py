@@ -5,7 +5,7 @@ torch.distributed.pipelining on the same split."""
 import pytest
 import torch
 import torch.distributed as dist
-from pp_model import batches, loss_fn, make_model, reference, split
+from pp_model import SEQ, batches, loss_fn, make_model, reference, split
 
 import hp_dtensor as hp
 from hp_fsdp import fully_shard
@@ -43,6 +43,7 @@ def _run(
     fsdp=False,
     impl="ours",
     cuda_graphs=False,
+    declare=None,
 ):
     """On every rank: build this rank's stages, run STEPS steps; return (losses per step on
     the last stage's rank, gradients of the last step, parameters after) by full-model name.
@@ -82,6 +83,14 @@ def _run(
             overlap_b_f=overlap_b_f,
             threaded_b_f=threaded,
         )
+        if declare is not None:  # every stage receives this (microbatch, seq, dim) float32
+            sched.declare_input_shapes({s: [(declare, torch.float32)] for s in range(1, n_stages)})
+            import hp_pipeline._runtime as rt
+
+            def no_header(h):  # a declared channel carries none: reading one is a bug
+                raise AssertionError("a shape header was read on a declared channel")
+
+            parse_header, rt._parse_header = rt._parse_header, no_header
     else:
         import torch.distributed.pipelining as tp
 
@@ -116,6 +125,8 @@ def _run(
     }
     if threaded:  # the helper thread did run backwards
         assert sched._helper is not None
+    if declare is not None:  # this worker runs other tests next
+        rt._parse_header = parse_header
     return out_losses, grads, final
 
 
@@ -377,6 +388,48 @@ def test_stage_on_the_wrong_rank_is_a_clear_error(pool2):
     msgs = pool2.run(_wrong_stage)
     assert "rank 0 must hold stages [0]" in msgs[0]
     assert "rank 1 must hold stages [1]" in msgs[1]
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_declared_input_shapes_match_one_process(pool2, name):
+    """declare_input_shapes: no header travels, the receive buffers come from the declaration,
+    and the step is still the one-process reference."""
+    m, batch = 4, 8
+    _check(pool2.run(_run, name, m, batch, declare=(2, SEQ, 16)), name, m, batch)
+
+
+def test_declared_input_shapes_are_checked():
+    """Arguments first; then, on a fake process group of 2 (nothing arrives, as in hp-plan's
+    dry run), a stage whose output differs from what its successor was declared to receive
+    raises before sending."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    mods = split(make_model(2), 2)
+    solo = ScheduleInterleaved1F1B(
+        [PipelineStage(mods[0], 0, 2), PipelineStage(mods[1], 1, 2)], 2, loss_fn=loss_fn
+    )
+    for bad, match in (
+        ([], "give a dict"),
+        ({0: [((2, 8, 16), torch.float32)]}, "stages 1 .. 1"),
+        ({"1": [((2, 8, 16), torch.float32)]}, "int stage indices"),
+        ({2: [((2, 8, 16), torch.float32)]}, "stages 1 .. 1"),
+        ({1: [(2, 8, 16)]}, "not a list of"),
+        ({1: [((2, 8, 16), "float32")]}, "cannot travel"),
+    ):
+        with pytest.raises(PipelineError, match=match):
+            solo.declare_input_shapes(bad)
+    x, y = batches(1, 4)[0]
+    solo.step(x, target=y)
+    with pytest.raises(PipelineError, match="before the first step"):
+        solo.declare_input_shapes({1: [((2, SEQ, 16), torch.float32)]})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        sched = Schedule1F1B(PipelineStage(mods[0], 0, 2), 2, loss_fn=loss_fn)
+        sched.declare_input_shapes({1: [((2, SEQ, 15), torch.float32)]})
+        with pytest.raises(PipelineError, match=r"stage 0 sends .* stage 1 was declared"):
+            sched.step(x)
+    finally:
+        hp.destroy_process_group(barrier=False)
 
 
 def test_stage_arguments_are_checked():
