@@ -526,16 +526,10 @@ class LLMTrainer:
                     p.grad.mul_(coef.to(p.grad.device))
         return norm
 
-    def train_step(self) -> dict:
-        """One optimizer step (with gradient accumulation); returns its metrics."""
-        t = self.config.training
-        t0 = time.perf_counter()
-        step = self.step + 1
-        # the RNG as the step found it: a "stop" checkpoint of the previous step restores it
-        self._rng_at_start = (
-            torch.get_rng_state(),
-            (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None),
-        )
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """Step ``step``'s forward and backward passes over this rank's batch (the pipeline
+        schedule, or the gradient-accumulation micro-steps); returns the summed loss tensor,
+        not read back."""
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:  # one pipelined step over the rank's batch
             ((x, y),) = self.data.local_batches(step, self.dp_rank, self.parallel_dims.dp, 1)
@@ -557,6 +551,56 @@ class LLMTrainer:
                     loss = _loss(self.model(x), y) / self.micro_batches
                 loss.backward()
                 total += loss.detach()
+        return total
+
+    def first_stage_outputs(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shapes and dtypes of what the first pipeline stage sends on for one microbatch of
+        the next step: the stage run on it without gradients. Only on a rank that holds the
+        first stage. ``hp-plan dry-run`` declares these as every stage's inputs
+        (``PipelineSchedule.declare_input_shapes``): a fake process group delivers no
+        header."""
+        if self.schedule is None or not self.has_first:
+            raise ConfigError(
+                "first_stage_outputs: this rank holds no first pipeline stage "
+                f"(pipeline_parallel_degree={self.parallel_dims.pp})"
+            )
+        from hp_pipeline import split_microbatches
+
+        ((x, _),) = self.data.local_batches(self.step + 1, self.dp_rank, self.parallel_dims.dp, 1)
+        ((args, _), *_) = split_microbatches((self._local(x),), {}, self.pipeline_microbatches)
+        with torch.no_grad():
+            out = self.model.stages["0"](*args)
+        return [(o.shape, o.dtype) for o in (out if isinstance(out, tuple) else (out,))]
+
+    def dry_step(self) -> None:
+        """One training step's tensor work and nothing else: forward, backward, the swap
+        managers' release, gradient clipping, the optimizer and scheduler steps, the gradients'
+        release. No value is read back (no loss or norm, no finiteness check, no MoE or MTP
+        statistics, no metrics, callbacks or checkpoints), so it runs under fake tensors and a
+        fake process group: this is what ``hp-plan dry-run`` measures. ``train_step`` does the
+        same work and the rest."""
+        step = self.step + 1
+        self._forward_backward(step)
+        for m in self._swap_managers:
+            m.step()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self._clip(params, self.config.training.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+
+    def train_step(self) -> dict:
+        """One optimizer step (with gradient accumulation); returns its metrics."""
+        t = self.config.training
+        t0 = time.perf_counter()
+        step = self.step + 1
+        # the RNG as the step found it: a "stop" checkpoint of the previous step restores it
+        self._rng_at_start = (
+            torch.get_rng_state(),
+            (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None),
+        )
+        total = self._forward_backward(step)
         swapped = [m.step() for m in self._swap_managers]  # host buffers back to the pool
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self._clip(params, t.max_norm)

@@ -138,3 +138,29 @@ def test_mtp_loss_metric_is_each_steps_own(tmp_path):
             model(x)
         assert got == pytest.approx(model.mtp_loss.item() / 2, rel=1e-5)
         assert got > 0
+
+
+@pytest.mark.parametrize("extra", [(), ("--training.local_batch_size", "2")])
+def test_dry_step_does_the_tensor_work_of_train_step(tmp_path, extra):
+    """dry_step (what hp-plan dry-run runs under fake tensors) is train_step's forward,
+    backward, clipping and optimizer step with nothing read back: the same parameters after
+    two steps, and the same step count and learning rate."""
+    off = ["--checkpoint.enable", "false", *extra]
+    a = LLMTrainer(_cfg(tmp_path, "a", 4, off))
+    b = LLMTrainer(_cfg(tmp_path, "b", 4, off))
+    for _ in range(2):
+        a.train_step()
+        b.dry_step()
+    assert a.step == b.step == 2
+    assert a.optimizer.param_groups[0]["lr"] == b.optimizer.param_groups[0]["lr"]
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+        assert q.grad is None  # released, as train_step does
+    assert any(
+        (p != p0).any()
+        for p, p0 in zip(
+            a.model.parameters(),
+            LLMTrainer(_cfg(tmp_path, "c", 4, off)).model.parameters(),
+            strict=True,
+        )
+    )  # it did train
