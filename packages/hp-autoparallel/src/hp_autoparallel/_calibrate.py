@@ -19,11 +19,14 @@ timed repeats after warm-up calls, with ``torch.cuda.synchronize`` around every 
 - the caching allocator's fragmentation (reserved / allocated peak over real training steps of
   a small model built by ``hp_trainer.LLMTrainer``) and the runtime reserve (device memory
   used outside the caching allocator: CUDA context, cuBLAS / cuDNN workspaces);
-- device and host memory.
+- device and host memory;
+- on CUDA, the host time each swapped block adds: a small model swapping every block against
+  keeping every activation, less what the planner gives for the copies (the SwapManager
+  timeline).
 
-The host overheads of selective recomputation and swap and the context-parallel constants are
-not measured by this version: they are copied from the shipped file of the same kind (or the
-nearest), and the written file says so field by field. The file is TOML that
+Selective recomputation's host time and the context-parallel constants are not measured by
+this version (nor, off CUDA, swap's): they are copied from the shipped file of the
+same kind (or the nearest), and the written file says so field by field. The file is TOML that
 :meth:`GpuCalibration.from_toml` reads.
 """
 
@@ -465,6 +468,87 @@ def _trainer_memory(cal: Calibration, s: _Sizes, device, base: GpuCalibration) -
     )
 
 
+# Selective recomputation's host time is not measured this way: its selective-checkpoint
+# context runs a Python dispatch mode over every op, host work that hides under a large
+# model's kernels and shows in full on a small one (8.8 ms per block on the model below, about
+# 2 ms on the 1.3B of benchmarks/RESULTS.md): the copied value stays until the planner models
+# host time that overlaps device time.
+_OVERHEADS = (("swap", "swap_ms_per_layer"),)
+
+
+def _host_overheads(cal: Calibration, s: _Sizes, device) -> None:
+    """The host time each swapped block adds, on CUDA: the same small model run by
+    ``hp_trainer.LLMTrainer`` keeping every activation and swapping every block (median step
+    times), the extra time over keeping less what the planner itself gives for it with no host
+    time (the copies on hp_offload's SwapManager timeline, ``_offload.simulate``) at the rates
+    measured above, over the blocks. Elsewhere the copied value stays."""
+    if device.type != "cuda" or s.trainer is None:
+        return
+    import torch
+
+    from hp_trainer import LLMTrainer, load_config
+
+    from ._estimate import estimate
+    from ._hardware import load_cluster
+    from ._plan import Plan, Workload
+    from ._spec import model_spec
+
+    name, values, batch, seq = s.trainer
+    modes = ("none", *(m for m, _ in _OVERHEADS))
+    measured, planned = {}, {}
+    with tempfile.TemporaryDirectory() as tmp, _registered(name, values):
+        for mode in modes:
+            cfg = load_config(
+                None,
+                [
+                    f"--model.name={name}",
+                    f"--training.seq_len={seq}",
+                    f"--training.global_batch_size={batch}",
+                    f"--training.steps={s.warmup + s.repeats}",
+                    "--training.mixed_precision_param=bfloat16",
+                    f"--activation_checkpoint.mode={mode}",
+                    "--checkpoint.enable=false",
+                    "--metrics.tensorboard=false",
+                    "--metrics.plot=false",
+                    f"--job.dump_folder={tmp}",
+                ],
+            )
+            trainer = LLMTrainer(cfg)
+            for _ in range(s.warmup):
+                trainer.train_step()
+            times = [trainer.train_step()["step_time_s"] for _ in range(s.repeats)]
+            measured[mode] = statistics.median(times)
+            del trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+        for _, key in _OVERHEADS:
+            cal.set("overheads", key, 0.0, "provisional: no host time")
+        path = Path(tmp) / "provisional.toml"
+        path.write_text(render(cal))
+        gpu = GpuCalibration.from_toml(path)
+        spec = model_spec(name)
+        work = Workload(batch, seq)
+        for mode in modes:
+            plan = Plan(1, 1, recompute=mode)
+            planned[mode] = estimate(spec, plan, work, gpu, load_cluster("h200")).time.total
+    shape = values or {"model": name}
+    desc = ", ".join(f"{k} {v}" for k, v in shape.items() if k != "architecture")
+    for mode, key in _OVERHEADS:
+        extra = measured[mode] - measured["none"]
+        modelled = planned[mode] - planned["none"]
+        per = max(0.0, (extra - modelled) / spec.n_layers)
+        cal.set(
+            "overheads",
+            key,
+            per * 1e3,
+            f"measured: hp_trainer.LLMTrainer ({desc}; batch {batch} x {seq}, bf16 autocast) "
+            f"with {mode} on every block takes {1e3 * extra:.1f} ms more per step than keeping "
+            f"every activation ({1e3 * measured[mode]:.1f} against "
+            f"{1e3 * measured['none']:.1f} ms); the planner at the rates above explains "
+            f"{1e3 * modelled:.1f} ms; the rest over {spec.n_layers} blocks",
+        )
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -614,6 +698,10 @@ def calibrate(
     cal.set("overheads", "swap_ms_per_layer", base.swap_overhead * 1e3, copied)
     cal.set("overheads", "cp_step_us", base.cp_step_overhead * 1e6, copied)
     cal.set("overheads", "cp_merge_bytes_per_element", base.cp_merge_bytes, copied)
+    t0 = time.perf_counter()
+    _host_overheads(cal, s, dev)  # needs the rates above (the planner's own model)
+    if dev.type == "cuda" and s.trainer is not None:
+        log(f"calibrate: swap host time measured in {time.perf_counter() - t0:.1f} s")
     return cal
 
 

@@ -56,8 +56,9 @@ NOTE [Where time goes]
   bubble comes from the schedule (closed form, or hp-pipeline's simulator).
 - Recomputation runs a block's forward again in backward (its collectives too); selective
   recomputes the element-wise work and a MoE's experts, plus the calibration's per-block
-  host overhead; swap adds the copies that do not fit under compute and its per-block host
-  overhead.
+  host overhead; swap adds what hp_offload's SwapManager timeline gives (one copy at a time
+  over the host link, the forward throttled past the in-flight cap, prefetch in backward:
+  ``_offload.simulate``) and its per-block host overhead.
 - The optimizer step reads and writes the fp32 shards (AdamW and clipping: 32 bytes per
   parameter) at the calibration's optimizer rate (``rates.optimizer_gbps``, measured by
   ``hp-plan calibrate``; the memory bandwidth where the file has none).
@@ -338,16 +339,13 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     if w.a2a_bytes and ep > 1:
         ep_f = 2 * c.coll("all_to_all", ep, c.ep_stride, w.a2a_bytes)
     ep_b = ep_f
-    rec = sw = 0.0
+    rec = 0.0
     if mode == "full":
         rec = f + tp_f + cp_f + ep_f
     elif mode == "selective":
         moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / rate
         rec = t_el + t_cast + moe + tp_f + ep_f + gpu.selective_overhead
-    elif mode == "swap":
-        saved = L.saved_bytes(spec, kind, "none", c.tokens, tp, c.etp, c.ab, c.autocast)
-        copy = saved / gpu.host_bandwidth
-        sw = max(0.0, copy - f) + max(0.0, copy - bi - bw) + gpu.swap_overhead
+    # swap: its time is the stage's, from the copy timeline (_swap_time)
     acc.f += count * f
     acc.fc += count * (tp_f + cp_f + ep_f)
     acc.bi += count * bi
@@ -356,8 +354,41 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     acc.tp += count * (tp_f + tp_b)
     acc.cp += count * (cp_f + cp_b)
     acc.ep += count * (ep_f + ep_b)
-    acc.swap += count * sw
-    return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b + sw
+    return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b
+
+
+def _swap_time(c: _Ctx, lo: int, hi: int, last: bool, head_s: float) -> float:
+    """Seconds swapping every block of ``[lo, hi)`` (and the MTP blocks on the last stage) adds
+    to a microbatch: hp_offload's SwapManager timeline (``_offload.simulate``: one copy at a
+    time over the host link, the forward throttled past the in-flight cap, each block fetched
+    back when backward reaches the swapped block after it) with each block's forward and
+    backward times and saved bytes, plus the calibration's host time per swapped block. Under
+    autocast the bytes moved include each matmul's bf16 weight cast: it is saved for backward
+    and is not a leaf, so the manager moves it as any activation."""
+    from ._offload import LayerCost, simulate
+
+    spec = c.spec
+    kinds = [L.kind_of(spec, i) for i in range(lo, hi)]
+    if last:
+        kinds += [L.kind_of(spec, spec.n_layers - 1)] * spec.mtp_layers
+    costs = {}
+    for kind in set(kinds):
+        scratch = _Acc()
+        f, b = _block_time(c, kind, "none", scratch, 1)
+        saved = L.saved_bytes(spec, kind, "none", c.tokens, c.tp, c.etp, c.ab, c.autocast)
+        if c.autocast:  # each matmul saves its bf16 weight cast, a non-leaf the manager moves
+            w = L.work(spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast)
+            p = L.kind_params(spec, kind)
+            saved += (w.matmul / (2 * c.tokens) + p.experts / c.etp) * c.ab
+        costs[kind] = LayerCost(int(saved), 0, f, b)
+    _, extra = simulate(
+        [costs[k] for k in kinds],
+        ["swap"] * len(kinds),
+        d2h_bytes_per_s=c.gpu.host_bandwidth,
+        head_s=head_s,
+        swap_overhead_s=c.gpu.swap_overhead,
+    )
+    return extra
 
 
 def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
@@ -531,9 +562,14 @@ class Evaluator:
                 per_kind[kind] = _block_time(c, kind, plan.recompute, acc, n)
             if first:
                 _embedding_time(c, acc)
+            head_s = 0.0
             if last:
+                before = acc.f + acc.bi + acc.bw
                 _head_time(c, acc, 1 + self.spec.mtp_layers)
+                head_s = acc.f + acc.bi + acc.bw - before
                 _mtp_time(c, acc, plan.recompute)
+            if plan.recompute == "swap":
+                acc.swap = _swap_time(c, lo, hi, last, head_s)
             hit = self._stages[key] = (acc, per_kind)
         return hit
 
@@ -688,9 +724,13 @@ class Evaluator:
         acts = held * mean
         host = 0.0
         recomputed = 0.0  # the block being recomputed in backward
+        loss_acts = acts
         if mode == "swap":  # every saved activation goes to pinned host memory
             host = acts
-            acts = min(acts, SWAP_WINDOW) + 2 * window
+            # at the loss only the copies still in flight are on the device (at most the
+            # manager's cap); in backward a restored block and the next one prefetched too
+            loss_acts = min(acts, SWAP_WINDOW)
+            acts = loss_acts + 2 * window
         elif mode in ("full", "selective"):
             recomputed = window
         # gradients exist while a microbatch runs only after the step's first backward
@@ -732,8 +772,10 @@ class Evaluator:
                 copies -= spec.embedding_params() / plan.tp * ab
             if rank.last and spec.tie_word_embeddings:
                 copies += output
-            if mode in ("none", "swap"):  # every matmul saves its weight's copy
+            if mode == "none":  # every matmul saves its weight's copy
                 kept_copies = copies
+            elif mode == "swap":  # the blocks' saved copies went to the host with the rest
+                kept_copies = output
             else:  # checkpointed blocks save none: only the output projection's stays
                 kept_copies = output
                 block_copies = max(_gathered(p, plan) for p in rank.kinds) * ab
@@ -746,7 +788,7 @@ class Evaluator:
         steady = shard * 4 + shard * (_STATE - 8)
         phases = {
             # the loss's backward: every block's saved set, the log-softmax buffers
-            "loss": (early_grads, buffers, acts, logits, other + kept_copies),
+            "loss": (early_grads, buffers, loss_acts, logits, other + kept_copies),
             # the forward's end: autocast's whole cache, the bf16 logits
             "forward": (early_grads, buffers, acts, fwd_logits, other + copies),
             # a block's backward: the recomputed set (and its copies) beside what is left of
