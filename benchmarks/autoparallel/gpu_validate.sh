@@ -13,14 +13,14 @@ PY="${PYTHON:-python3}"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 
-timeout 200 "$PY" -m hp_autoparallel calibrate --out "$OUT/h200_measured.toml" 2>&1 | tee "$OUT/calibrate.txt"
+timeout 180 "$PY" -m hp_autoparallel calibrate --out "$OUT/h200_measured.toml" 2>&1 | tee "$OUT/calibrate.txt"
 cals=(--calibration h200)
 if [ -s "$OUT/h200_measured.toml" ]; then
     cals+=(--calibration "$OUT/h200_measured.toml")
 else
     echo "calibrate failed: validating with the shipped h200 file only" | tee -a "$OUT/calibrate.txt"
 fi
-timeout 300 "$PY" benchmarks/autoparallel/validate_1gpu.py --device cuda "${cals[@]}" \
+timeout 380 "$PY" benchmarks/autoparallel/validate_1gpu.py --device cuda "${cals[@]}" \
     --out "$OUT/validate.json" 2>&1 | tee "$OUT/validate.txt"
 echo "exit statuses: ${PIPESTATUS[*]}"
 ls -l "$OUT"

@@ -13,6 +13,12 @@ and exit with status 2.
 
 measures this machine's calibration file (``_calibrate``, imported only by this subcommand:
 it needs torch) and writes it; pass it back as ``hp-plan --gpu FILE``.
+
+    hp-plan dry-run CONFIG [--world N] [--ranks all|R,R] [--gpu KIND] [--section.key=value ...]
+
+builds the hp-train configuration with fake tensors and a fake process group of the world
+size, runs a step rank by rank and prints each rank's peak memory beside the prediction
+(``_dryrun``, torch and hp-trainer imported only by this subcommand).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Search data / tensor / pipeline / context / expert parallelism, "
         "microbatches and recomputation for a model on N GPUs; print the ranking and write "
         "an hp-train TOML for the best. `hp-plan calibrate --help`: measure a calibration "
-        "file on this machine.",
+        "file on this machine; `hp-plan dry-run --help`: measure a configuration's peak "
+        "memory per rank with fake tensors.",
     )
     ap.add_argument("--model", required=True, help="a model of hp-trainer's registry")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs to use, all of them")
@@ -74,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._calibrate import main as calibrate_main  # torch: only for this subcommand
 
         return calibrate_main(argv[1:])
+    if argv and argv[0] == "dry-run":
+        from ._dryrun import main as dry_run_main  # torch and hp-trainer: only for this one
+
+        return dry_run_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         for flag, value in (
