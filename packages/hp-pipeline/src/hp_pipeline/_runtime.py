@@ -503,8 +503,7 @@ class _Run:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.recv: dict[tuple, tuple[list, list[torch.Tensor]]] = {}  # key -> (works, buffers)
-        self.sends: list = []
-        self.sent: list[torch.Tensor] = []  # what the sends read, until they are waited
+        self.sends: list = []  # (works, the tensor they read), until waited
         self.local_f: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> outputs of stage-1
         self.local_b: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads from stage+1
         self.input_grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads to send
@@ -555,14 +554,16 @@ class _Run:
                     self.record(f"wait {step}", t, "wait")
             t = time.perf_counter()
             self.run_step(step)
+            if step.is_compute and self.sends:
+                self.reap_sends()
             if rec:
                 if cuda and step.is_compute:
                     torch.cuda.synchronize()
                 self.record(str(step), t, "compute" if step.is_compute else "comm")
-        for w in self.sends:
-            w.wait()
+        for works, _ in self.sends:
+            for w in works:
+                w.wait()
         self.sends.clear()
-        self.sent.clear()
         if self.recv:  # pragma: no cover - check_schedule makes every RECV have a consumer
             raise ScheduleError(f"rank {s.rank}: received but never used: {sorted(self.recv)}")
         if rec:
@@ -751,6 +752,19 @@ class _Run:
         pg = _CHANNEL_GROUPS.get((g_src, g_dst, kind), self.s.group)
         return pg, (g_dst if sending else g_src), _TAGS[kind]
 
+    def reap_sends(self) -> None:
+        """Wait for, and let go of, the sends whose transfers are done (their tensors are
+        freed here rather than at the step's end); the others stay."""
+        left = []
+        for works, x in self.sends:
+            done = all(getattr(w, "is_completed", lambda: False)() for w in works)
+            if done:
+                for w in works:
+                    w.wait()
+            else:
+                left.append((works, x))
+        self.sends = left
+
     def send(self, step: MetaStep, tensors) -> None:
         pg, peer, tag = self._peer(step)
         out = []
@@ -759,11 +773,12 @@ class _Run:
             self.s._sent_meta[step.stage] = True
         out += [x.contiguous() for x in tensors]
         for x in out:  # one transfer per call: see hp_pipeline._sim on channels
-            self.sends.extend(self.platform.batch_p2p([(x, peer)], [], pg, tag=tag))
-            # held here until the sends are waited at the step's end, on every backend (a
-            # gloo work holds its tensor so; a fake group's does not, and hp-plan dry-run
-            # must see the same lifetime)
-            self.sent.append(x)
+            works = self.platform.batch_p2p([(x, peer)], [], pg, tag=tag)
+            # the tensor is held with its works until they are waited: at the next compute
+            # step once they are done (reap_sends), else at the step's end. The lifetime is
+            # then the runtime's on every backend (a gloo work holds its tensor until waited,
+            # a fake group's not at all, which hp-plan dry-run would otherwise undercount)
+            self.sends.append((works, x))
 
     def post_recv(self, step: MetaStep) -> None:
         pg, peer, tag = self._peer(step)
