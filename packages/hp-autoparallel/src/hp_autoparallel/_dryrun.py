@@ -25,6 +25,7 @@ tensors and process group), which is how the tests and benchmarks check the dry 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import tempfile
@@ -165,7 +166,7 @@ class _Phase:
     ``torch.autograd.grad``), and its per-module statistics refuse a root module called twice
     in one step, which microbatches do."""
 
-    parents: set = set()  # noqa: RUF012 (read only: no module is ever active)
+    parents = frozenset()  # no module is ever active
 
     @property
     def is_bw(self) -> bool:
@@ -212,11 +213,26 @@ def step_peak(build: Callable[[], object], *, warmup_steps: int = 1):
     mt = _tracker()
     with mt:  # everything the trainer allocates is tracked, so its release is seen too
         trainer = build()
+        if getattr(getattr(trainer, "schedule", None), "threaded_b_f", False):
+            raise PlanError(
+                "step_peak: the pipeline runs backwards on a helper thread (threaded_b_f), "
+                "which the tracker (a per-thread dispatch mode) cannot see: build it without"
+            )
         for _ in range(warmup_steps):
             trainer.dry_step()
     mt.track_external(trainer.model, trainer.optimizer)  # names what parameters etc. hold
-    with mt:  # re-entering starts the peak from what is held now (the steady state)
-        trainer.dry_step()
+    # Python's cyclic collector frees garbage (autograd graphs in cycles) when its counters say
+    # so, at a point of the step that moves with every allocation of Python objects: collected
+    # now and off during the step, the peak is the step's own, the same in every process
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with mt:  # re-entering starts the peak from what is held now (the steady state)
+            trainer.dry_step()
+    finally:
+        if was_enabled:
+            gc.enable()
     snap = mt.get_tracker_snapshot("peak")
     dev = _device_key(snap, trainer.device)
     row = snap.get(dev, {})

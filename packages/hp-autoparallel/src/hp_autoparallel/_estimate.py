@@ -357,6 +357,17 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b
 
 
+def _swapped_bytes(spec, kind, tokens: int, seq: int, tp: int, etp: int, ab: int, autocast: bool):
+    """Bytes hp_offload's SwapManager moves to the host for one block: what it saves without
+    recomputation and, under autocast, each matmul's bf16 weight cast (saved for backward and
+    not a leaf, so moved like an activation)."""
+    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast)
+    if autocast:
+        w = L.work(spec, kind, tokens, seq, tp, etp, ab, autocast)
+        saved += (w.matmul / (2 * tokens) + L.kind_params(spec, kind).experts / etp) * ab
+    return saved
+
+
 def _swap_time(c: _Ctx, lo: int, hi: int, last: bool, head_s: float) -> float:
     """Seconds swapping every block of ``[lo, hi)`` (and the MTP blocks on the last stage) adds
     to a microbatch: hp_offload's SwapManager timeline (``_offload.simulate``: one copy at a
@@ -375,12 +386,8 @@ def _swap_time(c: _Ctx, lo: int, hi: int, last: bool, head_s: float) -> float:
     for kind in set(kinds):
         scratch = _Acc()
         f, b = _block_time(c, kind, "none", scratch, 1)
-        saved = L.saved_bytes(spec, kind, "none", c.tokens, c.tp, c.etp, c.ab, c.autocast)
-        if c.autocast:  # each matmul saves its bf16 weight cast, a non-leaf the manager moves
-            w = L.work(spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast)
-            p = L.kind_params(spec, kind)
-            saved += (w.matmul / (2 * c.tokens) + p.experts / c.etp) * c.ab
-        costs[kind] = LayerCost(int(saved), 0, f, b)
+        moved = _swapped_bytes(spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast)
+        costs[kind] = LayerCost(int(moved), 0, f, b)
     _, extra = simulate(
         [costs[k] for k in kinds],
         ["swap"] * len(kinds),
@@ -629,10 +636,17 @@ class Evaluator:
             ac = _autocast(plan, ab)
             kept = "none" if plan.recompute == "swap" else plan.recompute
             total = window = 0.0
+            seq = self.work.seq_len
             for s in rank.stages:
                 for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
-                    total += n * L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac)
-                    whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab, ac)
+                    if plan.recompute == "swap":  # what the manager moves, casts included
+                        whole = _swapped_bytes(spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac)
+                        total += n * whole
+                    else:
+                        total += n * L.saved_bytes(
+                            spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac
+                        )
+                        whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab, ac)
                     window = max(window, whole)
                 if s == layout.n_stages - 1 and spec.mtp_layers:
                     kind = L.kind_of(spec, spec.n_layers - 1)
