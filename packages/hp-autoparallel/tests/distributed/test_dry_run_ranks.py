@@ -11,32 +11,9 @@ import pytest
 
 from hp_autoparallel import (
     Plan,
-    Workload,
-    estimate,
-    load_cluster,
-    load_gpu,
-    model_spec,
-    train_config,
 )
 
 WORLD = 4
-
-
-def _toml(tmp_path, name, model, plan, batch=8, seq=256):
-    gpu = load_gpu("cpu")
-    est = estimate(model_spec(model), plan, Workload(batch, seq), gpu, load_cluster("cpu"))
-    path = tmp_path / f"{name}.toml"
-    path.write_text(
-        train_config(
-            est,
-            model=model,
-            global_batch=batch,
-            seq_len=seq,
-            gpu=gpu.name,
-            compute_dtype=gpu.compute_dtype,
-        )
-    )
-    return path, est.memory.allocated
 
 
 def _real_rank(toml, dump):
@@ -81,11 +58,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_dry_run_matches_real_ranks(name, tmp_path):
+def test_dry_run_matches_real_ranks(name, tmp_path, planner_toml):
     from hp_testing import run_ranks
 
     model, plan = CASES[name]
-    toml, predicted = _toml(tmp_path, name, model, plan)
+    toml, predicted = planner_toml(model, plan, seq=256, name=name)
     real = {
         r: (p, k)
         for r, p, k in run_ranks(_real_rank, WORLD, args=(str(toml), str(tmp_path)), timeout=300)

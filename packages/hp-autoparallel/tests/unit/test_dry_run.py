@@ -11,35 +11,13 @@ from hp_autoparallel import (
     PlanTypeError,
     Workload,
     dry_run,
-    estimate,
-    load_cluster,
-    load_gpu,
-    model_spec,
     plan_of_config,
     step_peak,
-    train_config,
 )
 from hp_autoparallel.cli import main
 from hp_trainer import LLMTrainer, load_config
 
 QUIET = ["--checkpoint.enable=false", "--metrics.tensorboard=false", "--metrics.plot=false"]
-
-
-def _toml(tmp_path, model, plan, batch=8, seq=64, name="plan"):
-    gpu = load_gpu("cpu")
-    est = estimate(model_spec(model), plan, Workload(batch, seq), gpu, load_cluster("cpu"))
-    path = tmp_path / f"{name}.toml"
-    path.write_text(
-        train_config(
-            est,
-            model=model,
-            global_batch=batch,
-            seq_len=seq,
-            gpu="cpu",
-            compute_dtype=gpu.compute_dtype,
-        )
-    )
-    return path
 
 
 @pytest.mark.parametrize(
@@ -55,14 +33,14 @@ def _toml(tmp_path, model, plan, batch=8, seq=64, name="plan"):
         ("qwen3-moe-tiny", Plan(1, 4, ep=2)),
     ],
 )
-def test_plan_of_config_reads_back_the_planners_plan(tmp_path, model, plan):
-    cfg = load_config(_toml(tmp_path, model, plan), [*QUIET, f"--job.dump_folder={tmp_path}"])
+def test_plan_of_config_reads_back_the_planners_plan(tmp_path, model, plan, planner_toml):
+    cfg = load_config(planner_toml(model, plan)[0], [*QUIET, f"--job.dump_folder={tmp_path}"])
     spec, got, work = plan_of_config(cfg, plan.world)
     assert got == plan and spec.name == model and work == Workload(8, 64)
 
 
-def test_one_rank_dry_run_equals_the_real_step(tmp_path):
-    path = _toml(tmp_path, "llama3-tiny", Plan(1, 1))
+def test_one_rank_dry_run_equals_the_real_step(tmp_path, planner_toml):
+    path = planner_toml("llama3-tiny", Plan(1, 1))[0]
     cfg = load_config(path, [*QUIET, f"--job.dump_folder={tmp_path}"])
     _, real, kinds = step_peak(lambda: LLMTrainer(cfg))
     report = dry_run(path, world=1)
@@ -75,8 +53,8 @@ def test_one_rank_dry_run_equals_the_real_step(tmp_path):
     assert not dist.is_initialized()  # the fake group is gone
 
 
-def test_representative_ranks_are_one_per_stage(tmp_path):
-    path = _toml(tmp_path, "llama3-tiny", Plan(1, 2, pp=2, schedule="gpipe", microbatches=2))
+def test_representative_ranks_are_one_per_stage(tmp_path, planner_toml):
+    path = planner_toml("llama3-tiny", Plan(1, 2, pp=2, schedule="gpipe", microbatches=2))[0]
     report = dry_run(path, world=4)
     assert [r.rank for r in report.ranks] == [0, 2]
     assert [r.coords["pp"] for r in report.ranks] == [0, 1]
@@ -84,8 +62,8 @@ def test_representative_ranks_are_one_per_stage(tmp_path):
     assert [r.rank for r in dry_run(path, world=4, ranks=[3, 1, 3]).ranks] == [1, 3]
 
 
-def test_bad_input_is_refused_by_name(tmp_path, capsys):
-    path = _toml(tmp_path, "llama3-tiny", Plan(1, 2))
+def test_bad_input_is_refused_by_name(tmp_path, capsys, planner_toml):
+    path = planner_toml("llama3-tiny", Plan(1, 2))[0]
     with pytest.raises(PlanError, match="no such file"):
         dry_run(tmp_path / "missing.toml", world=2)
     with pytest.raises(PlanTypeError, match="world=2.0"):
@@ -136,7 +114,7 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     assert not dist.is_initialized()
 
 
-def test_zero_bubble_v_schedule_dry_runs(tmp_path, monkeypatch):
+def test_zero_bubble_v_schedule_dry_runs(tmp_path, monkeypatch, planner_toml):
     """ZBV splits each backward into input and weight passes (torch.autograd.grad): the
     tracker installs no autograd hooks, so it runs; both pipeline ranks hold a V."""
     import dataclasses
@@ -146,16 +124,16 @@ def test_zero_bubble_v_schedule_dry_runs(tmp_path, monkeypatch):
     monkeypatch.setitem(
         CONFIGS, "llama3-tiny-4", dataclasses.replace(CONFIGS["llama3-tiny"], n_layers=4)
     )
-    path = _toml(tmp_path, "llama3-tiny-4", Plan(1, 1, pp=2, schedule="zbv", microbatches=4))
+    path = planner_toml("llama3-tiny-4", Plan(1, 1, pp=2, schedule="zbv", microbatches=4))[0]
     report = dry_run(path, world=2)
     assert [r.rank for r in report.ranks] == [0, 1]
     assert all(r.peak_bytes > 0 for r in report.ranks) and report.error is not None
 
 
-def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys, planner_toml):
     import json
 
-    path = _toml(tmp_path, "llama3-tiny", Plan(1, 2))
+    path = planner_toml("llama3-tiny", Plan(1, 2))[0]
     out = tmp_path / "r.json"
     assert main(["dry-run", str(path), "--json", str(out)]) == 0
     text = capsys.readouterr().out

@@ -136,6 +136,10 @@ def test_deepseek_without_mtp_may_pipeline(tmp_path):
     result = search(spec, 256, H200, CLUSTER, Workload(512, 4096), top=5)
     _ranked_well(result)
     _preflight_ok(tmp_path, result, "deepseek-v3-671b", mtp_layers=0)
+    # without MTP the pipelined families are open and rank; with it every one is refused
+    assert any(e.plan.pp > 1 for e in result.ranked)
+    with_mtp = search(model_spec("deepseek-v3-671b"), 256, H200, CLUSTER, Workload(512, 4096))
+    assert all(e.plan.pp == 1 for e in with_mtp.ranked)
 
 
 def test_cpu_ranks_plan_in_float32(tmp_path):
