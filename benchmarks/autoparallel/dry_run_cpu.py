@@ -113,7 +113,7 @@ def _real_rank(toml: str, dump: str) -> dict:
             f"--job.dump_folder={dump}",
         ],
     )
-    trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg))
+    trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg), measured_steps=3)
     return {"rank": dist.get_rank(), "peak_bytes": peak, "by_kind": by_kind}
 
 

@@ -43,6 +43,8 @@ def test_one_rank_dry_run_equals_the_real_step(tmp_path, planner_toml):
     path = planner_toml("llama3-tiny", Plan(1, 1))[0]
     cfg = load_config(path, [*QUIET, f"--job.dump_folder={tmp_path}"])
     _, real, kinds = step_peak(lambda: LLMTrainer(cfg))
+    # one process has no collective threads: every step's peak is the same
+    assert step_peak(lambda: LLMTrainer(cfg), measured_steps=2)[1:] == (real, kinds)
     report = dry_run(path, world=1)
     (rank,) = report.ranks
     assert rank.rank == 0 and rank.device == "cpu"
@@ -76,6 +78,8 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys, planner_toml):
         dry_run(path, world=2, gpu="h200")
     with pytest.raises(PlanTypeError, match="warmup_steps"):
         step_peak(lambda: None, warmup_steps=-1)
+    with pytest.raises(PlanTypeError, match="measured_steps=0"):
+        step_peak(lambda: None, measured_steps=0)
     cfg = load_config(
         path,
         [*QUIET, f"--job.dump_folder={tmp_path}", "--activation_checkpoint.plan=layers.0=full"],
