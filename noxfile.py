@@ -223,6 +223,7 @@ BINDING_ONLY = {
     "hp_dtensor": ("hp_dtensor._backend", ["mindspore", "torch_npu"]),
     "hp_fsdp": ("hp_fsdp._backend", ["mindspore"]),
     "hp_offload": ("hp_offload._backend", ["mindspore"]),
+    "hp_pipeline": ("hp_pipeline._backend", ["mindspore"]),
 }
 # The front ends that call each binding: the binding imports none of them, directly or not, so
 # no import circle runs through it (bindings sit below the neutral core: they get what they share
@@ -237,6 +238,7 @@ BINDING_CALLERS = {
         "hp_offload._backend",
         ["hp_offload._checkpoint", "hp_offload._swap", "hp_offload._plan"],
     ),
+    "hp_pipeline": ("hp_pipeline._backend", ["hp_pipeline._stage", "hp_pipeline._runtime"]),
 }
 
 
@@ -433,8 +435,9 @@ def tests_mindspore(session: nox.Session) -> None:
             "(output above): the MindSpore tests did not run, so this session fails"
         )
     # hp-testing: the framework-parametrized tests run their torch half on gloo ranks too;
-    # hp-fsdp: fully_shard on MindSpore cells; hp-offload: checkpoint and swap on cells
-    local = _with_local_deps(["hp-dtensor", "hp-fsdp", "hp-offload", "hp-testing"])
+    # hp-fsdp: fully_shard on MindSpore cells; hp-offload: checkpoint and swap on cells;
+    # hp-pipeline: schedules over MindSpore stages
+    local = _with_local_deps(["hp-dtensor", "hp-fsdp", "hp-offload", "hp-pipeline", "hp-testing"])
     session.install("--no-deps", *[a for n in local for a in ("-e", PACKAGES[n].rel)])
     folders = [
         p.relative_to(ROOT).as_posix() for p in sorted(ROOT.glob("packages/*/tests/mindspore"))

@@ -45,7 +45,7 @@ from ._schedules import (
     order_transfers,
     zbv_steps,
 )
-from ._sim import SimResult, channel, check_schedule, simulate
+from ._sim import Message, SimResult, blocking_program, channel, check_schedule, simulate
 from ._stage import PipelineError, PipelineStage, ShardedModule
 from ._timeline import TimelineEvent, bubble_fraction, plot_timeline, to_chrome_trace
 
@@ -91,6 +91,8 @@ __all__ = [
     "plot_timeline",
     "profile_layers",
     "simulate",
+    "Message",
+    "blocking_program",
     "split_microbatches",
     "to_chrome_trace",
     "v_placement",

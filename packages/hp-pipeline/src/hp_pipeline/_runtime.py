@@ -242,6 +242,16 @@ class PipelineSchedule:
 
     name = ""
 
+    def __new__(cls, stages=None, *args, **kwargs):
+        """Stages over MindSpore cells get the MindSpore binding's schedule of this name
+        (``hp_pipeline._backend``), with the same arguments; torch stages this class."""
+        first = stages[0] if isinstance(stages, (list, tuple)) and stages else stages
+        if getattr(first, "framework", None) == "mindspore":
+            from ._backend._mindspore import MSPipelineSchedule
+
+            return MSPipelineSchedule(cls.name, stages, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         stages: PipelineStage | Sequence[PipelineStage],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ._ir import MetaStep, MetaStepType, Placement, ScheduleError
 from ._timeline import TimelineEvent
 
-__all__ = ["SimResult", "channel", "check_schedule", "simulate"]
+__all__ = ["Message", "SimResult", "blocking_program", "channel", "check_schedule", "simulate"]
 
 T = MetaStepType
 _PEER_RECV = {T.SEND_F: (T.RECV_F, +1), T.SEND_B: (T.RECV_B, -1)}
@@ -336,3 +336,85 @@ def _peak_inflight(steps: Sequence[MetaStep]) -> int:
             elif p.type in (T.B, T.FULL_B):
                 live -= 1
     return peak
+
+
+@dataclass(frozen=True)
+class Message:
+    """One transfer of a blocking transport: ``kind`` ``"F"`` (an activation going to stage
+    ``stage + 1``) or ``"B"`` (a gradient going to ``stage - 1``), from stage ``stage``'s
+    microbatch ``microbatch``, rank ``src`` to rank ``dst``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    src: int
+    dst: int
+
+
+def blocking_program(
+    schedule: Mapping[int, Sequence[MetaStep]], placement: Placement
+) -> dict[int, list[MetaStep | Message]]:
+    """Each rank's compute steps with the messages it takes part in placed between them, for a
+    transport where a message holds both of its ranks until both are there (point-to-point
+    built from a two-rank broadcast, as on MindSpore's CPU backend).
+
+    The messages are put in one order all ranks share, and every rank lists its own in that
+    order, each after the compute that produces it (sender) and before the one that consumes
+    it (receiver). Then no rank waits forever: the earliest unfinished message has both ranks
+    at it, since everything either did before it is computation fed by earlier messages. The
+    order comes from running the ranks in lockstep rounds (each rank runs its next step when
+    its inputs were produced in an earlier round); a message is placed in the round its
+    consumer runs. Ranks that run the same steps (data-parallel replicas of a stage) get the
+    same list, so collectives inside their steps stay matched. Stages on one rank hand over
+    directly: no message. Raises :class:`ScheduleError` when the steps cannot all run."""
+    comp = {r: [s for s in steps if s.is_compute] for r, steps in schedule.items()}
+    n = len(placement)
+    pos = dict.fromkeys(comp, 0)
+    produced: set[tuple[str, int, int]] = set()
+    out: dict[int, list[MetaStep | Message]] = {r: [] for r in comp}
+
+    def needs(step: MetaStep) -> list[tuple[str, int, int]]:
+        got = []
+        for part in step.parts():
+            s, i = part.stage, part.microbatch
+            if part.type is T.F and s > 0:
+                got.append(("F", s - 1, i))
+            elif part.type in (T.FULL_B, T.B) and s < n - 1:
+                got.append(("B", s + 1, i))
+        return got
+
+    def makes(step: MetaStep) -> list[tuple[str, int, int]]:
+        got = []
+        for part in step.parts():
+            if part.type is T.F:
+                got.append(("F", part.stage, part.microbatch))
+            elif part.type in (T.FULL_B, T.B):
+                got.append(("B", part.stage, part.microbatch))
+        return got
+
+    while any(pos[r] < len(comp[r]) for r in comp):
+        ready = [
+            r
+            for r in sorted(comp)
+            if pos[r] < len(comp[r]) and all(k in produced for k in needs(comp[r][pos[r]]))
+        ]
+        if not ready:
+            stuck = {r: str(comp[r][pos[r]]) for r in comp if pos[r] < len(comp[r])}
+            raise ScheduleError(f"the schedule cannot go on: each rank waits on {stuck}")
+        deliveries = []
+        for r in ready:
+            for kind, s, i in needs(comp[r][pos[r]]):
+                src = placement[s]
+                if src != r:
+                    deliveries.append(Message(kind, s, i, src, r))
+        for m in sorted(deliveries, key=lambda m: (m.src, m.dst, m.kind, m.stage, m.microbatch)):
+            out[m.src].append(m)
+            out[m.dst].append(m)
+        made = []
+        for r in ready:
+            step = comp[r][pos[r]]
+            out[r].append(step)
+            made += makes(step)
+            pos[r] += 1
+        produced.update(made)
+    return out

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from hp_dtensor import framework_of
+
 from ._errors import PipelineError, PipelineTypeError, check_bool, check_int
 from ._graphs import StageGraphs, check_graphable
 
@@ -80,6 +82,15 @@ class PipelineStage:
     control flow. Each in-flight microbatch keeps its own graph memory; ``.grad`` tensors are
     fixed buffers the graphs add into (``zero_grad(set_to_none=True)`` still works).
     """
+
+    def __new__(cls, module=None, *args, **kwargs):
+        """A MindSpore cell gets the MindSpore binding's stage (``hp_pipeline._backend``),
+        with the same arguments; anything else this class."""
+        if framework_of(module) == "mindspore":
+            from ._backend._mindspore import MSPipelineStage
+
+            return MSPipelineStage(module, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
