@@ -237,6 +237,8 @@ class MSPipelineSchedule:
         check_int(n_microbatches, "n_microbatches", fn, low=1)
         check_bool(scale_grads, "scale_grads", fn)
         for arg, v in flags.items():
+            if arg not in _REFUSED:
+                raise PipelineTypeError(f"{fn}() got an unexpected keyword argument {arg!r}")
             check_bool(v, arg, fn)
             if v:
                 raise PipelineError(
@@ -311,6 +313,8 @@ class MSPipelineSchedule:
         first, last = self.stages.get(0), self.stages.get(n - 1)
         if first is None and args:
             raise PipelineError(f"rank {self.rank} holds no first stage: pass no inputs")
+        if first is not None and not args:
+            raise PipelineError(f"rank {self.rank} holds the first stage: pass the inputs")
         if last is not None and target is None:
             raise PipelineError(f"rank {self.rank} holds the last stage: pass target=")
         cols = [_split(a, m, f"input {i}") for i, a in enumerate(args)] if first else []
@@ -318,6 +322,7 @@ class MSPipelineSchedule:
         targets = _split(target, m, "target") if last is not None else None
         for st in self.stages.values():
             st.reset()
+        self._meta.clear()  # one header per channel per step: shapes may change between steps
         acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs for that stage
         cots: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> output gradients
         outs, loss_of = {}, {}
