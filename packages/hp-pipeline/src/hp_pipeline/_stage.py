@@ -19,6 +19,7 @@ from hp_dtensor import framework_of
 
 from ._errors import PipelineError, PipelineTypeError, check_bool, check_int
 from ._graphs import StageGraphs, check_graphable
+from ._position import StagePosition, check_stage_index
 
 __all__ = ["PipelineError", "PipelineStage", "ShardedModule"]
 
@@ -56,7 +57,7 @@ class _Chunk:
     slot: object = None  # cuda_graphs: the _graphs._Slot this microbatch runs in
 
 
-class PipelineStage:
+class PipelineStage(StagePosition):
     """Stage ``stage_index`` of ``num_stages``: a module that runs one piece of the model.
 
     ``device`` defaults to the current accelerator (CPU when there is none); ``group`` is the
@@ -113,13 +114,7 @@ class PipelineStage:
                 else f"a {type(module).__name__}"
             )
             raise PipelineTypeError(f"{fn}: module is {what}: pass an nn.Module instance")
-        check_int(num_stages, "num_stages", fn, low=1)
-        check_int(stage_index, "stage_index", fn)
-        if stage_index >= num_stages:
-            raise PipelineError(
-                f"{fn}: stage_index must be in [0, {num_stages}) for num_stages={num_stages}, "
-                f"got {stage_index!r}"
-            )
+        check_stage_index(stage_index, num_stages, fn)
         check_bool(direct_weight_grads, "direct_weight_grads", fn)
         check_bool(cuda_graphs, "cuda_graphs", fn)
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -168,15 +163,6 @@ class PipelineStage:
             self.graphs = StageGraphs(self)
 
     # -- facts --------------------------------------------------------------------------------
-    @property
-    def is_first(self) -> bool:
-        """Whether this stage takes the model's inputs."""
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        """Whether this stage produces the model's output (and computes the loss)."""
-        return self.stage_index == self.num_stages - 1
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__})"

@@ -35,6 +35,7 @@ from hp_dtensor import get_platform
 
 from .._errors import PipelineError, PipelineTypeError, check_bool, check_int
 from .._ir import MetaStepType
+from .._position import StagePosition, check_stage_index
 from .._schedules import build_schedule
 from .._sim import Message, blocking_program
 
@@ -56,7 +57,7 @@ def _as_tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-class MSPipelineStage:
+class MSPipelineStage(StagePosition):
     """Stage ``stage_index`` of ``num_stages`` over a MindSpore ``nn.Cell`` (what
     ``PipelineStage(cell, ...)`` builds). ``group`` is the pipeline group (None: the whole
     world; else a group name the platform knows, e.g. ``mesh.get_group("pp")``).
@@ -83,13 +84,7 @@ class MSPipelineStage:
         fn = "PipelineStage"
         if not isinstance(module, ms.nn.Cell):
             raise PipelineTypeError(f"{fn}: module is a {type(module).__name__}: pass an nn.Cell")
-        check_int(num_stages, "num_stages", fn, low=1)
-        check_int(stage_index, "stage_index", fn)
-        if stage_index >= num_stages:
-            raise PipelineError(
-                f"{fn}: stage_index must be in [0, {num_stages}) for num_stages={num_stages}, "
-                f"got {stage_index!r}"
-            )
+        check_stage_index(stage_index, num_stages, fn)
         check_bool(direct_weight_grads, "direct_weight_grads", fn)
         check_bool(cuda_graphs, "cuda_graphs", fn)
         for arg, v, why in (
@@ -120,16 +115,6 @@ class MSPipelineStage:
         self.weights = tuple(module.trainable_params())
         self.grads: tuple = ()
         self._saved: dict[int, tuple] = {}  # mb -> (inputs, loss_fn, target) until its backward
-
-    @property
-    def is_first(self) -> bool:
-        """Whether this is stage 0."""
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        """Whether this is the last stage."""
-        return self.stage_index == self.num_stages - 1
 
     def __repr__(self) -> str:
         name = type(self.module).__name__
