@@ -21,6 +21,7 @@ from hp_dtensor import all_gather_json, get_platform
 from ._errors import PipelineTypeError, check_bool, check_int
 from ._graphs import FULL, SPLIT
 from ._ir import MetaStep, MetaStepType, Placement, Schedule, ScheduleError
+from ._position import check_stage_list, stages_per_rank
 from ._schedules import build_schedule
 from ._sim import channel, simulate
 from ._stage import PipelineError, PipelineStage, ShardedModule
@@ -266,35 +267,7 @@ class PipelineSchedule:
         record_timeline: bool = False,
     ) -> None:
         fn = type(self).__name__
-        if isinstance(stages, PipelineStage):
-            stages = [stages]
-        elif isinstance(stages, (list, tuple)):
-            stages = list(stages)
-        else:
-            raise PipelineTypeError(
-                f"{fn}: stages is a {type(stages).__name__}: give a PipelineStage or a "
-                "non-empty list of them"
-            )
-        if not stages:
-            raise PipelineError(
-                f"{fn}: stages is empty: give a PipelineStage or a non-empty list of them"
-            )
-        for i, s in enumerate(stages):
-            if not isinstance(s, PipelineStage):
-                raise PipelineTypeError(
-                    f"{fn}: stages[{i}] is a {type(s).__name__}, not a PipelineStage: wrap the "
-                    "module, e.g. PipelineStage(module, stage_index, num_stages)"
-                )
-        idx = [s.stage_index for s in stages]
-        if len(set(idx)) != len(idx):
-            raise PipelineError(
-                f"{fn}: stages have stage_index {idx}: each stage index may appear once"
-            )
-        if any(s.group is not stages[0].group for s in stages):
-            raise PipelineError(
-                f"{fn}: the stages' groups differ (their group= are different objects): build "
-                "every stage of this rank with the same pipeline group"
-            )
+        stages = check_stage_list(stages, PipelineStage, fn)
         check_int(n_microbatches, "n_microbatches", fn, low=1)
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineTypeError(
@@ -322,9 +295,6 @@ class PipelineSchedule:
         platform = self.platform = _platform(stages[0].device)
         self.pp = platform.get_world_size(group) if platform.is_initialized() else 1
         self.rank = platform.get_rank(group) if platform.is_initialized() else 0
-        num = {s.num_stages for s in stages}
-        if len(num) != 1:
-            raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
         sharded = any(s.sharded for s in stages)
         if threaded_b_f and any(st.graphs is not None for st in stages):
             raise PipelineError(
@@ -353,7 +323,7 @@ class PipelineSchedule:
             self.name,
             self.pp,
             n_microbatches,
-            stages_per_rank=num.pop() // self.pp if self.pp else None,
+            stages_per_rank=stages_per_rank(stages[0].num_stages, self.pp, fn),
             overlap_p2p=overlap_p2p,
             overlap_b_f=overlap_b_f,
             shard_steps=sharded,

@@ -25,6 +25,15 @@ forth), so the binding works per step, the way MindSpore training is written
 - after the step (and after an evaluation forward) the original Parameters release their
   storage: each holds a placeholder of its shape that MindSpore allocates only when read.
 
+A runtime that differentiates several times per step (a pipeline stage's microbatches) uses
+the cell's step interface instead, which is what ``parallelize_value_and_grad`` is built on:
+``hold_gathered(True)`` makes every group of the cell's tree stay gathered from its first
+forward through the step's other forwards; ``gathered_parameters(weights)`` gives the Parameters the
+forwards use, to differentiate with respect to; ``reduce_gradients(weights, grads)`` turns
+their whole gradients (summed over the microbatches) into this rank's shards, one
+reduce-scatter per group; ``hold_gathered(False)`` reshards. hp-pipeline calls these by
+name and imports nothing from hp-fsdp.
+
 So optimizer states, reduced gradients and, between steps, parameters take 1/N per rank; during
 a step every group's parameters are whole (MindSpore's autograd keeps what the forward used
 until backward, with no hook to free and re-gather a parameter), and the gradients of one step
@@ -47,7 +56,6 @@ __all__ = ["MSParamGroup", "fully_shard_cell", "parallelize_value_and_grad"]
 # every group, in creation order (the order every rank reduces in); a group lives as long as
 # its cell (which holds it and its hooks)
 _GROUPS: list[weakref.ref] = []
-_STEP = [0]  # > 0 while parallelize_value_and_grad runs: parameters stay gathered
 
 
 def _groups() -> list[MSParamGroup]:
@@ -84,6 +92,7 @@ class MSParamGroup:
         self.padded = [c * r for c, r in zip(self.chunk_rows, self.rest)]
         self.total = sum(self.padded)
         self.unsharded = False
+        self.held = 0  # > 0 during a step: forwards keep the parameters gathered
         self._live = []  # gathered tensors the full Parameters hold (set_data keeps no ref)
         # where each parameter sits: (cell, attribute) pairs, several for tied parameters
         self.owners = [[] for _ in self.full_params]
@@ -153,6 +162,9 @@ class MSParamGroup:
         self._release()
         self.unsharded = False
 
+    def __repr__(self) -> str:
+        return f"the {type(self.cell).__mro__[2].__name__} sharded by fully_shard"
+
     def _release(self) -> None:
         """The full Parameters give their storage back: each gets a placeholder of its shape
         that MindSpore allocates only if it is read (``set_data`` keeps the shape, which the
@@ -194,6 +206,39 @@ class MSHSDPCell:
     def reshard(self) -> None:
         """Swap this rank's shards back in."""
         self._hp_fsdp.reshard()
+
+    def _tree_groups(self) -> list[MSParamGroup]:
+        """The groups of this cell and of the ``fully_shard`` cells under it, in creation
+        order (the order every rank reduces in)."""
+        ids = {id(c) for _, c in self.cells_and_names()}
+        return [g for g in _groups() if id(g.cell) in ids]
+
+    def hold_gathered(self, flag: bool) -> None:
+        """``True``: from now on each group of this cell's tree, once its first forward has
+        gathered it, stays gathered through the forwards until ``hold_gathered(False)``, which
+        swaps the shards back in (a step of several forwards and backwards, e.g. a pipeline
+        stage's microbatches: one gather per group per step)."""
+        for g in self._tree_groups():
+            if flag:
+                g.held += 1
+            else:
+                g.held = max(g.held - 1, 0)
+                if not g.held:
+                    g.reshard()
+
+    def gathered_parameters(self, weights) -> list:
+        """Each of ``weights`` (this cell's parameters as the optimizer holds them: the shards)
+        as the gathered Parameter the forwards use; a parameter outside every group as it is."""
+        return _Slots(self._tree_groups(), weights).gathered
+
+    def reduce_gradients(self, weights, grads) -> list:
+        """The whole gradients ``grads`` of ``gathered_parameters(weights)`` -> this rank's
+        gradients of ``weights``: one averaged reduce-scatter per group (times its gradient
+        scaling factor); gradients of parameters outside every group averaged over the data-
+        parallel ranks. Every group of the tree must be gathered (``hold_gathered(True)``)."""
+        out = list(grads)
+        _Slots(self._tree_groups(), weights).reduce(out)
+        return out
 
 
 def fully_shard_cell(cell, *, mesh, **unsupported):
@@ -238,17 +283,70 @@ def fully_shard_cell(cell, *, mesh, **unsupported):
     cell._hp_fsdp = group
 
     def pre(c, inputs):
-        if not _STEP[0]:
+        if not group.held:
             group.reshard()  # outside a step: always gather the current shards
         group.unshard()
 
     def post(c, inputs, out):
-        if not _STEP[0]:
+        if not group.held:
             group.reshard()  # outside a step nothing reduces: back to the shards now
 
     cell.register_forward_pre_hook(pre)
     cell.register_forward_hook(post)
     return cell
+
+
+class _Slots:
+    """Where each of ``weights`` sits among ``groups``: decided once, used at every step."""
+
+    def __init__(self, groups, weights) -> None:
+        where = {id(sp): (g, i) for g in groups for i, sp in enumerate(g.shard_params)}
+        whole = {id(fp) for g in groups for fp in g.full_params}
+        for i, w in enumerate(weights):
+            if id(w) in whole:
+                raise FSDPError(
+                    f"weights[{i}] ({w.name}) is a parameter as it was before fully_shard: take "
+                    "the weights after fully_shard (e.g. net.trainable_params() then)"
+                )
+        # per group whose shards are among the weights: each parameter's index in weights
+        # (None: not asked for)
+        self.slots: dict[MSParamGroup, list[int | None]] = {}
+        for i, w in enumerate(weights):
+            if id(w) in where:
+                g, k = where[id(w)]
+                self.slots.setdefault(g, [None] * len(g.shard_params))[k] = i
+        self.groups = [g for g in groups if g in self.slots]  # creation order: same everywhere
+        self.all = list(groups)  # whose data-parallel group averages the other gradients
+        self.gathered = [
+            where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in weights
+        ]
+
+    def reduce(self, grads: list) -> None:
+        """In place: grads of sharded weights -> reduced shards; the others -> averaged over
+        the groups' data-parallel ranks."""
+        done = set()
+        for g in self.groups:
+            idx = self.slots[g]
+            if not g.unsharded:
+                raise FSDPError(
+                    f"{g!r} did not run in the forward, on this rank at least; every rank must "
+                    "call every sharded cell in a step"
+                )
+            whole = [
+                grads[i] if i is not None else p.new_zeros(p.shape)
+                for i, p in zip(idx, g.full_params)
+            ]
+            for i, shard in zip(idx, g.reduce(whole)):
+                if i is not None:
+                    grads[i] = shard
+                    done.add(i)
+        rest = [i for i in range(len(grads)) if i not in done]
+        if rest and self.all:
+            platform, group = self.all[0].platform, self.all[0].group
+            for i in rest:
+                g = platform.clone(grads[i])
+                platform.all_reduce(g, "avg", group)
+                grads[i] = g
 
 
 def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
@@ -263,69 +361,32 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
         )
     wlist = list(weights) if weights is not None else []
     groups = _groups()
-    where = {id(sp): (g, i) for g in groups for i, sp in enumerate(g.shard_params)}
-    whole = {id(fp) for g in groups for fp in g.full_params}
-    for i, w in enumerate(wlist):
-        if id(w) in whole:
-            raise FSDPError(
-                f"weights[{i}] ({w.name}) is a parameter as it was before fully_shard: take "
-                "the weights after fully_shard (e.g. net.trainable_params() then)"
-            )
-    # per group whose shards are among the weights: each parameter's index in weights (None:
-    # not asked for); decided once, used at every step
-    slots: dict[MSParamGroup, list[int | None]] = {}
-    for i, w in enumerate(wlist):
-        if id(w) in where:
-            g, k = where[id(w)]
-            slots.setdefault(g, [None] * len(g.shard_params))[k] = i
-    mine = [g for g in groups if g in slots]  # creation order: the same on every rank
-    # differentiate with respect to the gathered Parameters that the forward uses
-    mapped = [where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in wlist]
+    slots = _Slots(groups, wlist)
     inner = ms.value_and_grad(
-        fn, grad_position=grad_position, weights=mapped if wlist else None, has_aux=has_aux
+        fn,
+        grad_position=grad_position,
+        weights=slots.gathered if wlist else None,
+        has_aux=has_aux,
     )
 
     def run(*args):
-        _STEP[0] += 1
+        # every group stays gathered through the step's forward (MindSpore's autograd keeps
+        # the gathered values until backward); the ones not differentiated as well
+        held = _groups()
+        for g in held:
+            g.held += 1
         try:
             value, grads = inner(*args)
             if not wlist:
                 return value, grads
             wgrads = list(grads if grad_position is None else grads[1])
-            _reduce(mine, slots, wgrads)
+            slots.reduce(wgrads)
         finally:
-            _STEP[0] -= 1
-            for g in mine:
-                g.reshard()
+            for g in held:
+                g.held -= 1
+                if not g.held:
+                    g.reshard()
         wgrads = tuple(wgrads)
         return value, (wgrads if grad_position is None else (grads[0], wgrads))
 
     return run
-
-
-def _reduce(groups, slots, grads) -> None:
-    """In place: grads of sharded weights -> reduced shards; the others -> averaged over the
-    groups' data-parallel ranks."""
-    done = set()
-    for g in groups:  # creation order: the same on every rank
-        idx = slots[g]
-        if not g.unsharded:
-            raise RuntimeError(
-                f"parallelize_value_and_grad: the {type(g.cell).__mro__[2].__name__} sharded by "
-                "fully_shard did not run in the forward, on this rank at least; every rank must "
-                "call every sharded cell in a step"
-            )
-        whole = [
-            grads[i] if i is not None else p.new_zeros(p.shape) for i, p in zip(idx, g.full_params)
-        ]
-        for i, shard in zip(idx, g.reduce(whole)):
-            if i is not None:
-                grads[i] = shard
-                done.add(i)
-    rest = [i for i in range(len(grads)) if i not in done]
-    if rest and groups:
-        platform, group = groups[0].platform, groups[0].group
-        for i in rest:
-            g = platform.clone(grads[i])
-            platform.all_reduce(g, "avg", group)
-            grads[i] = g

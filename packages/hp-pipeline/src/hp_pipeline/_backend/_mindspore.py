@@ -26,6 +26,7 @@ backward with a forward, the helper thread, CUDA graphs, recorded timelines.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import mindspore as ms
 import numpy as np
@@ -35,11 +36,11 @@ from hp_dtensor import get_platform
 
 from .._errors import PipelineError, PipelineTypeError, check_bool, check_int
 from .._ir import MetaStepType
-from .._position import StagePosition, check_stage_index
+from .._position import StagePosition, check_stage_index, check_stage_list, stages_per_rank
 from .._schedules import build_schedule
 from .._sim import Message, blocking_program
 
-__all__ = ["MSPipelineSchedule", "MSPipelineStage"]
+__all__ = ["MSPipelineSchedule", "MSPipelineStage", "ShardedCell"]
 
 T = MetaStepType
 _HEADER = 32  # int32s: [count, (dtype code, ndim, *shape) per tensor]
@@ -53,6 +54,25 @@ _REFUSED = {  # schedule argument -> why MindSpore stages cannot honour it
 }
 
 
+_SCHEDULES = {  # schedule name -> its class, for messages
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+_DEVICES = {"cpu": "CPU", "npu": "Ascend", "ascend": "Ascend", "cuda": "GPU", "gpu": "GPU"}
+
+
+@runtime_checkable
+class ShardedCell(Protocol):
+    """What a stage's cell must offer to be gathered once per step and have its gradients
+    reduced once per step (``hp_fsdp.fully_shard`` cells do; hp-pipeline needs nothing else
+    from hp-fsdp): see hp-fsdp's MindSpore binding."""
+
+    def hold_gathered(self, flag: bool) -> None: ...  # noqa: D102
+    def gathered_parameters(self, weights) -> list: ...  # noqa: D102
+    def reduce_gradients(self, weights, grads) -> list: ...  # noqa: D102
+
+
 def _as_tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
@@ -64,7 +84,12 @@ class MSPipelineStage(StagePosition):
 
     After a schedule's ``step``, ``grads`` holds the gradients of ``weights`` (the cell's
     trainable parameters), summed over the microbatches, ready for an optimizer:
-    ``opt(stage.grads)``. A step starts them again from zero."""
+    ``opt(stage.grads)``. A step starts them again from zero.
+
+    A cell that went through ``hp_fsdp.fully_shard`` (a :class:`ShardedCell`) is gathered
+    once per step, at its first forward, and stays gathered until the step's end, where its
+    summed gradients are reduced to this rank's shards (one reduce-scatter per group):
+    ``weights`` and ``grads`` are then the shards."""
 
     framework = "mindspore"
 
@@ -95,10 +120,17 @@ class MSPipelineStage(StagePosition):
                 raise PipelineError(f"{fn}: {arg} is not supported on MindSpore cells ({why})")
         if cuda_graphs:
             raise PipelineError(f"{fn}: cuda_graphs=True needs torch on CUDA, not a MindSpore cell")
-        if device not in (None, "cpu", "CPU", "Ascend", "npu", "GPU", "cuda"):
+        target = ms.get_context("device_target")
+        if device is not None and _DEVICES.get(str(device).split(":")[0].lower()) != target:
             raise PipelineTypeError(
                 f"{fn}: device={device!r}: MindSpore stages run on the device set with "
-                "mindspore.set_device; pass None"
+                f"mindspore.set_device (here {target}); pass None or that device"
+            )
+        if not direct_weight_grads:
+            raise PipelineError(
+                f"{fn}: direct_weight_grads=False is torch-only (it concerns .grad and "
+                "AccumulateGrad hooks; a MindSpore stage hands its gradients back in grads): "
+                "leave it at True"
             )
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
             raise PipelineError(
@@ -111,8 +143,14 @@ class MSPipelineStage(StagePosition):
         self.num_stages = num_stages
         self.group = group
         self.device = device
-        self.sharded = False
+        self.sharded = isinstance(module, ShardedCell)
         self.weights = tuple(module.trainable_params())
+        # what the forwards use and the backward differentiates: a sharded cell's gathered
+        # Parameters (its gradients are reduced to the shards once per step, in finish)
+        self._diff = (
+            tuple(module.gathered_parameters(self.weights)) if self.sharded else self.weights
+        )
+        self._held = False
         self.grads: tuple = ()
         self._saved: dict[int, tuple] = {}  # mb -> (inputs, loss_fn, target) until its backward
 
@@ -148,7 +186,7 @@ class MSPipelineStage(StagePosition):
 
         else:
             run = self.module
-        weights = list(self.weights) or None
+        weights = list(self._diff) or None
         if self.is_first:  # the step's inputs take no gradient
             _, fvjp = ms.vjp(lambda: run(*inputs), weights=weights)
         else:
@@ -163,10 +201,33 @@ class MSPipelineStage(StagePosition):
                 self.grads = tuple(dw)
         return dx
 
+    def begin(self) -> None:
+        """A step's start: zero the gradients; a sharded cell stays gathered from its first
+        forward until :meth:`finish`."""
+        self.reset()
+        if self.sharded:
+            self.module.hold_gathered(True)
+            self._held = True
+
+    def finish(self) -> None:
+        """A step's end: a sharded cell's summed gradients become this rank's shards, and the
+        shards go back into the cell."""
+        if self._held:
+            try:
+                if self.grads:
+                    self.grads = tuple(self.module.reduce_gradients(self.weights, self.grads))
+            finally:
+                self._held = False
+                self.module.hold_gathered(False)
+
     def reset(self) -> None:
-        """Zero the gradients and drop any microbatch's graph (a step's start)."""
+        """Zero the gradients, drop every microbatch's inputs and let a sharded cell go back
+        to its shards (a step's start, or after a failed step)."""
         self._saved.clear()
         self.grads = ()
+        if self._held:
+            self._held = False
+            self.module.hold_gathered(False)
 
 
 def _split(x, n: int, what: str) -> list:
@@ -203,22 +264,19 @@ class MSPipelineSchedule:
         batch_spec=None,
         **flags,
     ) -> None:
-        fn = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}.get(name, "ScheduleInterleaved1F1B")
         if name == "zbv":
             raise PipelineError(
                 "ScheduleZBV: MindSpore stages run FULL_B backwards only (mindspore.vjp gives "
                 "input and weight gradients together): use ScheduleGPipe, Schedule1F1B or "
                 "ScheduleInterleaved1F1B"
             )
-        stages = [stages] if isinstance(stages, MSPipelineStage) else list(stages)
-        if not stages:
-            raise PipelineError(f"{fn}: stages is empty: give a PipelineStage or a list of them")
-        for i, s in enumerate(stages):
-            if not isinstance(s, MSPipelineStage):
-                raise PipelineTypeError(
-                    f"{fn}: stages[{i}] is a {type(s).__name__}: every stage of a MindSpore "
-                    "schedule is a PipelineStage over a MindSpore cell"
-                )
+        if name not in _SCHEDULES:
+            raise PipelineTypeError(
+                f"PipelineSchedule({name!r}) over MindSpore stages: build one of "
+                f"{', '.join(_SCHEDULES.values())}, not the base class"
+            )
+        fn = _SCHEDULES[name]
+        stages = check_stage_list(stages, MSPipelineStage, fn)
         check_int(n_microbatches, "n_microbatches", fn, low=1)
         check_bool(scale_grads, "scale_grads", fn)
         for arg, v in flags.items():
@@ -236,14 +294,6 @@ class MSPipelineSchedule:
             )
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineTypeError(f"{fn}: loss_fn is a {type(loss_fn).__name__}, not callable")
-        idx = [s.stage_index for s in stages]
-        if len(set(idx)) != len(idx):
-            raise PipelineError(f"{fn}: stages have stage_index {idx}: each may appear once")
-        if any(s.group != stages[0].group for s in stages):
-            raise PipelineError(f"{fn}: the stages' groups differ: build them with one group")
-        num = {s.num_stages for s in stages}
-        if len(num) != 1:
-            raise PipelineError(f"stages disagree on num_stages: {sorted(num)}")
         self.stages = {s.stage_index: s for s in stages}
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -259,9 +309,9 @@ class MSPipelineSchedule:
         self.pp = platform.get_world_size(self.group) if init else 1
         self.rank = platform.get_rank(self.group) if init else 0
         self.ranks = platform.group_ranks(self.group) if init else [0]
-        n_stages = num.pop()
+        n_stages = stages[0].num_stages
         steps, self.placement = build_schedule(
-            name, self.pp, n_microbatches, stages_per_rank=n_stages // self.pp if self.pp else None
+            name, self.pp, n_microbatches, stages_per_rank=stages_per_rank(n_stages, self.pp, fn)
         )
         if len(self.placement) != n_stages:
             raise PipelineError(
@@ -289,24 +339,29 @@ class MSPipelineSchedule:
     def step(self, *args, target=None, losses: list | None = None):
         """One pipelined forward and backward of a batch (see the class); returns the last
         stage's outputs concatenated over the microbatches on its rank, else None."""
-        if losses is not None and not isinstance(losses, list):
-            raise PipelineTypeError(
-                f"step: losses is a {type(losses).__name__}: give a list or None"
-            )
         m = self.n_microbatches
         n = len(self.placement)
         first, last = self.stages.get(0), self.stages.get(n - 1)
-        if first is None and args:
-            raise PipelineError(f"rank {self.rank} holds no first stage: pass no inputs")
-        if first is not None and not args:
-            raise PipelineError(f"rank {self.rank} holds the first stage: pass the inputs")
-        if last is not None and target is None:
-            raise PipelineError(f"rank {self.rank} holds the last stage: pass target=")
-        cols = [_split(a, m, f"input {i}") for i, a in enumerate(args)] if first else []
-        mbs = [tuple(c[i] for c in cols) for i in range(m)] if first else None
-        targets = _split(target, m, "target") if last is not None else None
+        problem = None
+        try:
+            if losses is not None and not isinstance(losses, list):
+                raise PipelineTypeError(
+                    f"step: losses is a {type(losses).__name__}: give a list or None"
+                )
+            if first is None and args:
+                raise PipelineError(f"rank {self.rank} holds no first stage: pass no inputs")
+            if first is not None and not args:
+                raise PipelineError(f"rank {self.rank} holds the first stage: pass the inputs")
+            if last is not None and target is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage: pass target=")
+            cols = [_split(a, m, f"input {i}") for i, a in enumerate(args)] if first else []
+            mbs = [tuple(c[i] for c in cols) for i in range(m)] if first else None
+            targets = _split(target, m, "target") if last is not None else None
+        except PipelineError as e:
+            problem = e
+        self._agree(problem)
         for st in self.stages.values():
-            st.reset()
+            st.begin()
         self._meta.clear()  # one header per channel per step: shapes may change between steps
         acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs for that stage
         cots: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> output gradients
@@ -343,6 +398,8 @@ class MSPipelineSchedule:
                             cots[("out", s, i)] = dx
                 else:  # build_schedule gives these schedules F and FULL_B only
                     raise PipelineError(f"MindSpore stages cannot run {item}")
+            for s in sorted(self.stages):  # the same order on every data-parallel replica
+                self.stages[s].finish()
         except BaseException:
             for st in self.stages.values():
                 st.reset()
@@ -352,6 +409,26 @@ class MSPipelineSchedule:
         if losses is not None:
             losses.extend(loss_of[i] for i in range(m))
         return ops.concat([outs[i] for i in range(m)], axis=0)
+
+    def _agree(self, problem: PipelineError | None) -> None:
+        """Every rank of the pipeline learns whether any refused this step's arguments (one
+        small all-reduce), and all raise together: a rank that refused raises its own error,
+        the others name it. Without this, a first stage that refuses a batch would leave the
+        next stages waiting for its activations forever."""
+        if self.pp > 1:
+            flags = np.zeros(self.pp, np.float32)
+            flags[self.rank] = problem is not None
+            t = ms.Tensor(flags)
+            self.platform.all_reduce(t, "sum", self.group)
+            refused = [r for r, f in enumerate(t.asnumpy()) if f]
+            if refused and problem is None:
+                raise PipelineError(
+                    f"pipeline rank(s) {refused} refused this step's arguments (their error "
+                    f"says why, e.g. a batch n_microbatches={self.n_microbatches} does not "
+                    "divide): every rank of the pipeline stops this step"
+                )
+        if problem is not None:
+            raise problem
 
     # -- transfers -----------------------------------------------------------------------------
     def _transfer(self, msg: Message, acts: dict, cots: dict) -> None:
