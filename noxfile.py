@@ -241,6 +241,12 @@ BINDING_CALLERS = {
     "hp_pipeline": ("hp_pipeline._backend", ["hp_pipeline._stage", "hp_pipeline._runtime"]),
 }
 
+# Layers inside a binding (top first): a lower module never imports a higher one, so the
+# binding has no import circle of its own.
+BINDING_LAYERS = {
+    "hp_dtensor": ("hp_dtensor._backend", ["_ms_parallel | _ms_shard", "_ms_ops", "_ms_dtensor"]),
+}
+
 
 def _contract(key: str, name: str, kind: str, **fields: list[str] | str) -> str:
     lines = [f"[importlinter:contract:{key}]", f"name = {name}", f"type = {kind}"]
@@ -331,6 +337,17 @@ def importlinter_config(roots: list[str]) -> str:
                     "forbidden",
                     source_modules=[binding],
                     forbidden_modules=callers,
+                )
+            )
+    for package, (binding, layers) in BINDING_LAYERS.items():
+        if package in present:
+            sections.append(
+                _contract(
+                    f"{package}-binding-layers",
+                    f"{binding}: {' > '.join(layers)} (no circle inside the binding)",
+                    "layers",
+                    containers=[binding],
+                    layers=layers,
                 )
             )
     return "\n\n".join(sections) + "\n"

@@ -142,7 +142,7 @@ class DTensor(torch.Tensor):
         check_mesh(device_mesh, "device_mesh", "DTensor.from_local")
         shape, stride = check_shape_stride(shape, stride, len(local_tensor.shape))
         if framework_of(local_tensor) == "mindspore":
-            from ._backend._ms_dtensor import MSDTensor
+            from ._backend._ms_ops import MSDTensor  # the ops layer over the MindSpore DTensor
 
             return MSDTensor.from_local(
                 local_tensor,
@@ -797,6 +797,7 @@ def distribute_tensor(
     check_mesh(device_mesh, "device_mesh", "distribute_tensor")
     _check_src_data_rank(src_data_rank, device_mesh)
     if framework_of(tensor) == "mindspore":
+        from ._backend import _ms_ops  # noqa: F401  (the DTensor's ops: loaded with it)
         from ._backend._ms_dtensor import distribute_tensor as ms_distribute_tensor
 
         return ms_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)

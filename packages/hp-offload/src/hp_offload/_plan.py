@@ -1,12 +1,14 @@
-"""``OffloadPlan``: checkpoint and swap configured together, per module name pattern."""
+"""``OffloadPlan``: checkpoint and swap configured together, per module name pattern.
+
+The plan is framework-neutral: it reads a model's submodule names and swaps wrapped ones in,
+for a torch ``nn.Module`` (``named_modules``) or a MindSpore ``nn.Cell`` (``cells_and_names``);
+the wrappers themselves pick the framework (``checkpoint_wrapper`` / ``swap_wrapper``)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch.nn as nn
 
 from ._checkpoint import CheckpointPolicy, OffloadError, OffloadTypeError, checkpoint_wrapper
 from ._checks import check_module, check_type
@@ -27,6 +29,20 @@ def _expand(pattern: str) -> list[str]:
     if hi < lo:
         raise OffloadError(f"pattern {pattern!r}: range {lo}-{hi} is empty")
     return [f"{m['head']}{i}{m['tail']}" for i in range(lo, hi + 1)]
+
+
+def _names(model, fn: str) -> list[str]:
+    """Every submodule's dotted name, a shared one under each of its names: a torch
+    ``nn.Module``'s, or a MindSpore ``nn.Cell``'s (its binding lists them; the one framework
+    check, ``hp_dtensor.framework_of``, picks it); anything else is refused."""
+    from hp_dtensor import framework_of
+
+    if framework_of(model) == "mindspore":
+        from ._backend._mindspore import cell_names
+
+        return cell_names(model, fn)
+    check_module(model, "model", fn)
+    return [n for n, _ in model.named_modules(remove_duplicate=False) if n]
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -76,10 +92,10 @@ class OffloadPlan:
                     f" a SwapPolicy, got {action!r}"
                 )
 
-    def resolve(self, model: nn.Module) -> dict[str, object]:
-        """Module name -> action, after checking that patterns neither overlap nor nest."""
-        check_module(model, "model", "OffloadPlan.resolve")
-        names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    def resolve(self, model) -> dict[str, object]:
+        """Module name -> action, after checking that patterns neither overlap nor nest
+        (``model``: a torch ``nn.Module`` or a MindSpore ``nn.Cell``)."""
+        names = _names(model, "OffloadPlan.resolve")
         chosen: dict[str, tuple[str, object]] = {}
         for pat, action in self.rules.items():
             rx = [_regex(p) for p in _expand(pat)]
@@ -102,16 +118,15 @@ class OffloadPlan:
         return {n: act for n, (_, act) in chosen.items()}
 
 
-def apply_offload_plan(
-    model: nn.Module, plan: OffloadPlan, *, manager: SwapManager | None = None
-) -> nn.Module:
-    """Wrap the modules the plan names, in place; returns ``model``.
+def apply_offload_plan(model, plan: OffloadPlan, *, manager: SwapManager | None = None):
+    """Wrap the modules the plan names, in place; returns ``model`` (a torch ``nn.Module``, or
+    a MindSpore ``nn.Cell``, whose cells the MindSpore binding wraps).
 
     A module reachable under several names (shared) is wrapped once. For a
     :class:`CheckpointPolicy` with ``every=k``, only every k-th matched module (in model order)
     is checkpointed.
     """
-    check_module(model, "model", "apply_offload_plan")
+    _names(model, "apply_offload_plan")  # a torch module or a MindSpore cell, else refused
     if not isinstance(plan, OffloadPlan):
         hint = " (wrap the mapping: OffloadPlan({...}))" if isinstance(plan, Mapping) else ""
         raise OffloadTypeError(
@@ -120,13 +135,15 @@ def apply_offload_plan(
     check_type(manager, SwapManager, "manager", "apply_offload_plan")
     actions = plan.resolve(model)
     by_policy: dict[int, int] = {}
-    done: dict[int, nn.Module] = {}
+    done: dict[int, object] = {}
     for name, action in actions.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+        *path, child = name.split(".")
+        parent = model
+        for part in path:  # getattr reaches a ModuleList's / CellList's items too ("0")
+            parent = getattr(parent, part)
         mod = getattr(parent, child)
         if id(mod) in done:
-            setattr(parent, child, done[id(mod)])
+            _put(parent, child, done[id(mod)])
             continue
         if action == "swap" or isinstance(action, SwapPolicy):
             pol = action if isinstance(action, SwapPolicy) else None
@@ -139,5 +156,16 @@ def apply_offload_plan(
                 continue
             new = checkpoint_wrapper(mod, policy=pol)
         done[id(mod)] = new
-        setattr(parent, child, new)
+        _put(parent, child, new)
     return model
+
+
+def _put(parent, name: str, new) -> None:
+    """``parent.name = new``; a MindSpore ``CellList`` / ``SequentialCell`` item by index
+    (its ``setattr`` would rename the new cell's parameters after the bare index)."""
+    from hp_dtensor import framework_of
+
+    if name.isdigit() and framework_of(parent) == "mindspore":
+        parent[int(name)] = new
+    else:
+        setattr(parent, name, new)

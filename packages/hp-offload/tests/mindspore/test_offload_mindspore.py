@@ -27,6 +27,7 @@ from mindspore import nn  # noqa: E402
 
 from hp_offload import (  # noqa: E402
     CheckpointPolicy,
+    OffloadError,
     OffloadTypeError,
     OffloadUnsupportedError,
     SwapManager,
@@ -305,10 +306,69 @@ def test_wrong_arguments():
     assert math.isfinite(_reference()[0])
 
 
-def test_graph_mode_and_plans_are_refused():
-    """What the binding cannot do raises a typed error naming it, never runs silently."""
+def test_offload_plan_on_cells():
+    """apply_offload_plan on a cell: a range checkpointed, one layer swapped, by name; the
+    gradients equal the plain run's and no probe is held between forward and backward."""
     from hp_offload import OffloadPlan, apply_offload_plan
 
+    ref = _reference()
+    net, seen = _net()
+    manager = SwapManager()
+    plan = OffloadPlan({"layers.0-1": "checkpoint", "layers.2": SwapPolicy(fuse_below=0)})
+    assert plan.resolve(net) == {
+        "layers.0": "checkpoint",
+        "layers.1": "checkpoint",
+        "layers.2": SwapPolicy(fuse_below=0),
+    }
+    assert apply_offload_plan(net, plan, manager=manager) is net
+    assert [hasattr(layer, "_checkpoint_wrapped_module") for layer in net.layers] == [
+        True,
+        True,
+        False,
+    ]
+    got = _step(net, seen)
+    _close(got, ref)
+    assert got[2] == {"probes": 0, "made": LAYERS}
+    stats = manager.step()
+    assert stats.tensors_out > 3 and stats.bytes_in == stats.bytes_out  # layer 2 swapped
+    # every=2: only every second matched layer; a selective policy is refused by name
+    net, seen = _net()
+    apply_offload_plan(net, OffloadPlan({"layers.*": CheckpointPolicy(every=2)}))
+    assert [hasattr(layer, "_checkpoint_wrapped_module") for layer in net.layers] == [
+        True,
+        False,
+        True,
+    ]
+    got = _step(net, seen)
+    _close(got, ref)
+    assert got[2]["probes"] == 1  # the one layer left alone holds its probe (can fail)
+    with pytest.raises(OffloadUnsupportedError, match="selective"):
+        apply_offload_plan(_net()[0], OffloadPlan({"layers.0": CheckpointPolicy("selective")}))
+    with pytest.raises(OffloadError, match="matches no module"):
+        OffloadPlan({"blocks.*": "checkpoint"}).resolve(_net()[0])
+
+
+def test_offload_plan_wraps_a_shared_cell_under_each_name():
+    """MindSpore lists a shared cell once; the plan still wraps it wherever it sits."""
+    from hp_offload import OffloadPlan, apply_offload_plan
+
+    class Tied(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = Block(DIM, HEADS, KV, HIDDEN)
+            self.b = self.a
+
+        def construct(self, x, cos, sin):
+            return self.b(self.a(x, cos, sin), cos, sin)
+
+    net = Tied()
+    assert OffloadPlan({"*": "checkpoint"}).resolve(net).keys() == {"a", "b"}
+    apply_offload_plan(net, OffloadPlan({"*": "checkpoint"}))
+    assert net.a is net.b and hasattr(net.a, "_checkpoint_wrapped_module")
+
+
+def test_graph_mode_is_refused():
+    """What the binding cannot do raises a typed error naming it, never runs silently."""
     net, _ = _net()
     x, cos, sin = _data()
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -319,5 +379,3 @@ def test_graph_mode_and_plans_are_refused():
             swap(net.layers[0], x, cos, sin, manager=SwapManager())
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
-    with pytest.raises(OffloadTypeError, match="nn.Module"):
-        apply_offload_plan(net, OffloadPlan({"layers.*": "checkpoint"}))

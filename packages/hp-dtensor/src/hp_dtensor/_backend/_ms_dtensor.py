@@ -157,6 +157,9 @@ class MSDTensor:
     take and return local tensors and wrap them with ``from_local``/``to_local`` inside."""
 
     __slots__ = ("_local", "_spec")
+    # the ops layer (``_ms_ops``), set once when it loads; every entry point that makes
+    # MSDTensors (``hp_dtensor.DTensor``'s MindSpore path, the parallel styles, shard) loads it
+    _ops = None
 
     def __init__(self, local, spec: DTensorSpec) -> None:
         self._local = local
@@ -254,65 +257,66 @@ class MSDTensor:
         """The MindSpore dtype."""
         return self._spec.dtype
 
-    # -- ops: the sharding rules decide (``_ms_ops``); operands may be Python scalars ----------
+    # -- ops: the sharding rules decide (``_ms_ops``, which sets ``_ops`` when it loads: this
+    # module does not import it, the ops layer sits above); operands may be Python scalars --
     def __add__(self, other):
-        return _ms_ops.call_op("add", operator.add, self, other)
+        return self._ops.call_op("add", operator.add, self, other)
 
     def __radd__(self, other):
-        return _ms_ops.call_op("add", operator.add, other, self)
+        return self._ops.call_op("add", operator.add, other, self)
 
     def __sub__(self, other):
-        return _ms_ops.call_op("sub", operator.sub, self, other)
+        return self._ops.call_op("sub", operator.sub, self, other)
 
     def __rsub__(self, other):
-        return _ms_ops.call_op("sub", operator.sub, other, self)
+        return self._ops.call_op("sub", operator.sub, other, self)
 
     def __mul__(self, other):
-        return _ms_ops.call_op("mul", operator.mul, self, other)
+        return self._ops.call_op("mul", operator.mul, self, other)
 
     def __rmul__(self, other):
-        return _ms_ops.call_op("mul", operator.mul, other, self)
+        return self._ops.call_op("mul", operator.mul, other, self)
 
     def __truediv__(self, other):
-        return _ms_ops.call_op("div", operator.truediv, self, other)
+        return self._ops.call_op("div", operator.truediv, self, other)
 
     def __rtruediv__(self, other):
-        return _ms_ops.call_op("div", operator.truediv, other, self)
+        return self._ops.call_op("div", operator.truediv, other, self)
 
     def __pow__(self, other):
-        return _ms_ops.call_op("pow", operator.pow, self, other)
+        return self._ops.call_op("pow", operator.pow, self, other)
 
     def __rpow__(self, other):
-        return _ms_ops.call_op("pow", operator.pow, other, self)
+        return self._ops.call_op("pow", operator.pow, other, self)
 
     def __neg__(self):
-        return _ms_ops.neg(self)
+        return self._ops.neg(self)
 
     def __matmul__(self, other):
-        return _ms_ops.matmul(self, other)
+        return self._ops.matmul(self, other)
 
     def __getitem__(self, key):
-        return _ms_ops.call_op("__getitem__", operator.getitem, self, key)
+        return self._ops.call_op("__getitem__", operator.getitem, self, key)
 
     def reshape(self, *shape):
         """The same elements in global shape ``shape`` (local view when the split allows)."""
-        return _ms_ops.reshape(self, _shape_arg(shape))
+        return self._ops.reshape(self, _shape_arg(shape))
 
     def view(self, *shape):
         """As ``reshape``."""
-        return _ms_ops.view(self, _shape_arg(shape))
+        return self._ops.view(self, _shape_arg(shape))
 
     def transpose(self, dim0: int, dim1: int):
         """Swap two dimensions (placements follow)."""
-        return _ms_ops.transpose(self, dim0, dim1)
+        return self._ops.transpose(self, dim0, dim1)
 
     def sum(self, dim=None, keepdim: bool = False):
         """Sum over ``dim`` (all by default); a sharded dim gives a Partial(sum) result."""
-        return _ms_ops.sum(self, dim, keepdim)
+        return self._ops.sum(self, dim, keepdim)
 
     def mean(self, dim=None, keepdim: bool = False):
         """Mean over ``dim`` (all by default); a sharded dim gives a Partial(avg) result."""
-        return _ms_ops.mean(self, dim, keepdim)
+        return self._ops.mean(self, dim, keepdim)
 
     def __repr__(self) -> str:
         pl = ", ".join(str(p) for p in self._spec.placements)
@@ -363,6 +367,3 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank: in
     if local is tensor:
         local = platform.clone(local)  # never alias the caller's tensor
     return MSDTensor(local, spec)
-
-
-from . import _ms_ops  # noqa: E402  (ops need MSDTensor: imported last)

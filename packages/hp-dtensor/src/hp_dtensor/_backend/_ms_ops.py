@@ -32,6 +32,7 @@ dimensions whole or, for views, name the global shape themselves.
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 
 import mindspore as ms
@@ -592,3 +593,5 @@ reshape = _make("reshape")
 transpose = _make("transpose")
 permute = _make("permute")
 view = _make("view")
+
+MSDTensor._ops = sys.modules[__name__]  # the DTensor's operators and methods call these

@@ -27,6 +27,7 @@ from mindspore import nn
 from .._hooks import input_hook, output_hook
 from .._placement import Partial, Replicate, Shard
 from ..errors import HPDTensorTypeError, PlacementError
+from . import _ms_ops  # noqa: F401  (the DTensor ops this module's tensors use)
 from ._ms_dtensor import MSDTensor, all_reduce_grad, distribute_tensor
 
 __all__ = [

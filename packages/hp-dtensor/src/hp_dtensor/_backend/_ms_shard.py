@@ -22,6 +22,7 @@ from .._hooks import forward_hooks
 from .._layout import Layout
 from .._mesh import mesh_from_layout
 from ..errors import LayoutError, MeshError
+from . import _ms_ops  # noqa: F401  (the DTensor ops this module's tensors use)
 from ._ms_dtensor import MSDTensor, distribute_tensor
 
 __all__ = ["shard_cell"]

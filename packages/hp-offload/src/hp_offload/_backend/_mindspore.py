@@ -38,6 +38,7 @@ from mindspore import nn, ops
 from ..errors import OffloadError, OffloadTypeError, OffloadUnsupportedError
 
 __all__ = [
+    "cell_names",
     "checkpoint_cell",
     "checkpoint_call",
     "mark",
@@ -46,6 +47,29 @@ __all__ = [
 ]
 
 _FW = "mindspore"  # this binding's key in SwapManager._bindings
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+def cell_names(cell, fn: str) -> list[str]:
+    """Every sub-cell's dotted name under ``cell``, a shared cell under each of its names (as
+    torch's ``named_modules(remove_duplicate=False)``; MindSpore's ``cells_and_names`` lists
+    a shared cell once, and a plan must wrap it wherever it sits)."""
+    if not isinstance(cell, nn.Cell):
+        raise OffloadTypeError(f"{fn}: model is a {type(cell).__name__}: pass an nn.Cell")
+    out: list[str] = []
+
+    def walk(c, prefix: str, path: frozenset) -> None:
+        for name, child in c._cells.items():  # the children in order, shared ones too
+            if child is None or id(child) in path:
+                continue
+            full = f"{prefix}{name}"
+            out.append(full)
+            walk(child, full + ".", path | {id(child)})
+
+    walk(cell, "", frozenset({id(cell)}))
+    return out
 
 
 # -- checkpoint ---------------------------------------------------------------------------------
