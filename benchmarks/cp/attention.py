@@ -13,6 +13,8 @@ backward. The ratio (ours / SDPA) minus one is the blocking's overhead.
 
     python benchmarks/cp/attention.py --device cuda --seqs 32768,131072 --cp 2,4
     python benchmarks/cp/attention.py                     # CPU, small sequences
+    python benchmarks/cp/attention.py --device cuda --seqs 32768 --cp 8 --profile
+        # where the blockwise path's time goes: kernels by device time, launches, host gaps
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def _blockwise(pieces, cp, load_balance=True):
         blocks = [(src, pieces[src][1], pieces[src][2]) for src in range(cp)]
         out, lse, aux = ctxp._forward(ql, None, pieces[r][2], cfg, blocks=blocks)
         dq = torch.zeros(ql.shape, dtype=acc, device=q.device)
+        rows: dict = {}  # as _backward does: each query chunk's dense rows made once
         for src, kb, vb in blocks:
-            ctxp._block_grads(dl, ql, out, lse, aux, cfg, src, kb, vb, dq, dk[src], dv[src])
+            ctxp._block_grads(dl, ql, out, lse, aux, cfg, src, kb, vb, dq, dk[src], dv[src], rows)
         outs.append(out)
         dqs.append(dq)
     return outs, dqs, dk, dv
@@ -111,6 +114,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one blockwise forward + backward per (seq, cp): device time by kernel, "
+        "the number of launches and device time against wall time (host-bound or not)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -157,11 +166,38 @@ def _one_length(args, dev, dtype, heads, d, s) -> None:
                 w = want.index_select(2, idx).float()
                 err = max(err, ((got.float() - w).abs().max() / w.abs().max()).item())
         ratio = t_ours / t_ref
+        if args.profile:
+            _profile(pieces, cp, dev, t_ours, t_ref)
         print(
             f"| {s} | {cp} | {t_ours:.2f} | {t_ref:.2f} | {ratio:.3f} | "
             f"{100 * (ratio - 1):+.1f}% | {err:.1e} |",
             flush=True,
         )
+
+
+def _profile(pieces, cp, dev, t_ours, t_ref) -> None:
+    """One blockwise step under torch.profiler: device time by kernel (top 12), launches, and
+    the device's busy time against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _blockwise(pieces, cp)
+    _sync(dev)
+    with profile(activities=acts) as prof:
+        _blockwise(pieces, cp)
+        _sync(dev)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if dev.type == "cuda" and e.device_type.name == "CUDA":
+            kernels.setdefault(e.name[:70], []).append(e.device_time_total / 1e3)
+    busy = sum(sum(v) for v in kernels.values())
+    n = sum(len(v) for v in kernels.values())
+    print(
+        f"# profile cp={cp}: {n} kernels, device busy {busy:.2f} ms of a {t_ours:.2f} ms step "
+        f"(SDPA {t_ref:.2f} ms); by device time:"
+    )
+    for name, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print(f"#   {sum(ts):8.2f} ms  {len(ts):5d} x  {name}")
 
 
 if __name__ == "__main__":

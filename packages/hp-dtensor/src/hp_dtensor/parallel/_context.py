@@ -435,6 +435,28 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, aux, mask=No
     return torch.matmul(ds, ka) * scale, torch.matmul(ds.transpose(-1, -2), qa) * scale, dv
 
 
+def _merge_rows(cur_o, cur_l, o, lb) -> None:
+    """``(cur_o, cur_l) <- merge((cur_o, cur_l), (o, lb))`` in place: the outputs rescaled by
+    their share of the combined softmax denominator."""
+    new = torch.logaddexp(cur_l, lb)
+    cur_o.mul_(torch.exp(cur_l - new).unsqueeze(-1))
+    cur_o.addcmul_(o, torch.exp(lb - new).unsqueeze(-1))
+    cur_l.copy_(new)
+
+
+_COMPILED_MERGE: list = []  # the compiled _merge_rows, made at the first CUDA merge
+
+
+def _merge_fn(device: torch.device):
+    """``_merge_rows``; on CUDA compiled into one kernel (eager it is seven small ones per
+    block, which at 4-8k-token blocks cost as much as the attention: RESULTS.md)."""
+    if device.type != "cuda":
+        return _merge_rows
+    if not _COMPILED_MERGE:
+        _COMPILED_MERGE.append(torch.compile(_merge_rows, dynamic=None))
+    return _COMPILED_MERGE[0]
+
+
 def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
     """Fold a block's ``(o, lb)`` into the running ``(out, lse)`` of query rows ``lo:hi``
     (``first``: the rows' first block, copied), in place and in the accumulation dtype."""
@@ -443,10 +465,7 @@ def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
         cur_o.copy_(o)
         cur_l.copy_(lb)
         return
-    new = torch.logaddexp(cur_l, lb)
-    cur_o.mul_(torch.exp(cur_l - new).unsqueeze(-1))
-    cur_o.addcmul_(o, torch.exp(lb - new).unsqueeze(-1))
-    cur_l.copy_(new)
+    _merge_fn(out.device)(cur_o, cur_l, o, lb)
 
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -601,18 +620,34 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
     return out.to(q.dtype), lse, aux
 
 
-def _block_grads(dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb) -> None:
+def _query_rows(rows: dict | None, dout, q, out, lse, qlo: int, qhi: int) -> tuple:
+    """Query rows ``qlo:qhi`` of ``dout``, ``q``, ``out`` and ``lse`` as dense tensors (the
+    fused kernels' backward takes dense ones), made once per backward in ``rows``: each query
+    chunk meets every rank's keys, and a copy per block was a quarter of the kernels."""
+    hit = None if rows is None else rows.get((qlo, qhi))
+    if hit is None:
+        hit = tuple(t[:, :, qlo:qhi].contiguous() for t in (dout, q, out, lse))
+        if rows is not None:
+            rows[(qlo, qhi)] = hit
+    return hit
+
+
+def _block_grads(
+    dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb, rows: dict | None = None
+) -> None:
     """Add the gradients of this rank's queries' blocks against rank ``src``'s keys and values
-    (``kb``, ``vb``) into ``dq`` and that block's ``dkb``, ``dvb``."""
+    (``kb``, ``vb``) into ``dq`` and that block's ``dkb``, ``dvb``. ``rows``: a dict kept over
+    one backward's calls, where the dense query rows are made once (:func:`_query_rows`)."""
     calls = _calls(cfg, src, q.shape[2], kb.shape[2])
     for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
+        g_rows, q_rows, o_rows, l_rows = _query_rows(rows, dout, q, out, lse, qlo, qhi)
         gq, gk, gv = _block_bwd(
-            dout[:, :, qlo:qhi],
-            q[:, :, qlo:qhi],
+            g_rows,
+            q_rows,
             _expand(kb[:, :, klo:khi], cfg.groups),
             _expand(vb[:, :, klo:khi], cfg.groups),
-            out[:, :, qlo:qhi],
-            lse[:, :, qlo:qhi],
+            o_rows,
+            l_rows,
             causal,
             cfg.scale,
             aux[(src, i)],
@@ -626,10 +661,10 @@ def _block_grads(dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb
 def _backward(dout, q, k, v, out, lse, aux, cfg: _Config):
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dout = dout.contiguous()
+    rows: dict = {}  # the dense query rows of this backward, made once (_query_rows)
 
     def block_grads(src, kb, vb, dkb, dvb):
-        _block_grads(dout, q, out, lse, aux, cfg, src, kb, vb, dq, dkb, dvb)
+        _block_grads(dout, q, out, lse, aux, cfg, src, kb, vb, dq, dkb, dvb, rows)
 
     if cfg.method == "allgather":
         ks, vs = _stack_gather(k, cfg), _stack_gather(v, cfg)
