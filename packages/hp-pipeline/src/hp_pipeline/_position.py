@@ -17,10 +17,10 @@ def check_stage_index(stage_index, num_stages, fn: str) -> None:
         )
 
 
-def check_stage_list(stages, stage_type: type, fn: str) -> list:
+def check_stage_list(stages, stage_type: type, fn: str, shown: str = "PipelineStage") -> list:
     """A schedule's ``stages`` argument (one stage or a non-empty list of them, each a
-    ``stage_type``) as a list: distinct stage indices, one pipeline group, one
-    ``num_stages``."""
+    ``stage_type``, named ``shown`` in messages) as a list: distinct stage indices, one
+    pipeline group, one ``num_stages``."""
     if isinstance(stages, stage_type):
         stages = [stages]
     elif isinstance(stages, (list, tuple)):
@@ -37,7 +37,7 @@ def check_stage_list(stages, stage_type: type, fn: str) -> list:
     for i, s in enumerate(stages):
         if not isinstance(s, stage_type):
             raise PipelineTypeError(
-                f"{fn}: stages[{i}] is a {type(s).__name__}, not a {stage_type.__name__}: wrap "
+                f"{fn}: stages[{i}] is a {type(s).__name__}, not a {shown}: wrap "
                 "the module, e.g. PipelineStage(module, stage_index, num_stages), every stage "
                 "of one schedule in the same framework"
             )

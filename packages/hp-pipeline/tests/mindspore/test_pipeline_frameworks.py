@@ -279,14 +279,17 @@ def _refusal(framework, pp, rank):
     return None
 
 
-def _ms_refused_arguments(pp, rank):
+def _ms_refused_arguments(pp, rank, mesh):
     """What a MindSpore stage or schedule cannot honour raises, naming it."""
     import hp_pipeline as hpp
+    from hp_fsdp import fully_shard
 
     Stage, load, loss = _ms_cells()
     cell = Stage(rank, rank + 1, rank == 0, rank == pp - 1)
     out = []
     st = hpp.PipelineStage(cell, rank, pp)
+    partly = Stage(rank, rank + 1, rank == 0, rank == pp - 1)
+    fully_shard(partly.layers[0], mesh=mesh)  # the blocks only: nothing would reduce
     for make in (
         lambda: hpp.ScheduleZBV([st], MICRO, loss),
         lambda: hpp.Schedule1F1B(st, MICRO, loss, overlap_b_f=True),
@@ -297,6 +300,7 @@ def _ms_refused_arguments(pp, rank):
         lambda: hpp.PipelineStage(cell, rank, pp, direct_weight_grads=False),
         lambda: hpp.PipelineSchedule(st, MICRO, loss),
         lambda: hpp.Schedule1F1B(hpp.PipelineStage(cell, 0, 1), MICRO, loss),
+        lambda: hpp.PipelineStage(partly, rank, pp),
     ):
         try:
             make()
@@ -363,7 +367,9 @@ def _ms_pp_fsdp(mesh, pp_rank, dp_rank):
     stage = hpp.PipelineStage(cell, pp_rank, 2, group=mesh.get_group("pp"))
     assert stage.sharded
     # the optimizer holds the shards: half of each parameter's rows (padded)
-    assert all(w.shape[0] == -(-shapes[k][0] // 2) for k, w in zip(shapes, stage.weights))
+    assert all(
+        w.shape[0] == -(-shapes[k][0] // 2) for k, w in zip(shapes, stage.weights, strict=True)
+    )
     sched = hpp.Schedule1F1B(stage, m, loss)
     opt = nn.SGD(list(stage.weights), learning_rate=LR)
     platform = hp_dtensor.get_platform()
@@ -405,6 +411,21 @@ def _ms_pp_fsdp(mesh, pp_rank, dp_rank):
     for c in groups:
         c.reshard()
     assert {k: v.shape for k, v in trained.items()} == {names[k]: v for k, v in shapes.items()}
+    # replicas given batches of different sizes (4 rows, 3 rows: 3 does not split in 2): the
+    # second replica refuses, and the first must not wait for it in a gather: all raise
+    x, y = _batches()[0]
+    rows = 4 - dp_rank
+    try:
+        sched.step(
+            *((ms.Tensor(x[:rows]),) if pp_rank == 0 else ()),
+            **({"target": ms.Tensor(y[:rows])} if pp_rank else {}),
+        )
+        refusal = None
+    except hpp.PipelineError as e:
+        refusal = str(e)
+    assert refusal is not None
+    assert ("batch size 3" in refusal) if dp_rank else ("refused this step" in refusal), refusal
+    assert not any(c._hp_fsdp.held or c._hp_fsdp.unsharded for c in groups)  # let go
     return losses, trained
 
 
@@ -450,7 +471,7 @@ def pipeline_body(framework: str, pp: int):
         if "ref" + str(v) not in out:  # one reference per model depth
             out["ref" + str(v)] = ref(pp * v)
     if framework == "mindspore":
-        out["refused"] = _ms_refused_arguments(pp, rank)
+        out["refused"] = _ms_refused_arguments(pp, rank, mesh)
     return out
 
 
@@ -492,7 +513,8 @@ def test_pipeline_schedules_match_one_process(framework, pp, request, tmp_path):
     _check(results, pp, framework)
     if framework == "mindspore":
         assert all(r["refusal"] for r in results)  # every rank stopped, none waits
-        zbv, overlap, timeline, hooks, index, device, direct, base, few = results[0]["refused"]
+        refused = results[0]["refused"]
+        zbv, overlap, timeline, hooks, index, device, direct, base, few, partly = refused
         assert "ScheduleZBV" in zbv and "FULL_B" in zbv
         assert "overlap_b_f=True" in overlap
         assert "record_timeline=True" in timeline
@@ -502,6 +524,7 @@ def test_pipeline_schedules_match_one_process(framework, pp, request, tmp_path):
         assert "direct_weight_grads=False" in direct
         assert "not the base class" in base and "Schedule1F1B" in base
         assert "num_stages=1" in few and f"multiple of {pp}" in few
+        assert "layers.0" in partly and "apply fully_shard to the stage's cell" in partly
     _RESULTS[(framework, pp)] = results
 
 

@@ -165,6 +165,20 @@ class MSParamGroup:
     def __repr__(self) -> str:
         return f"the {type(self.cell).__mro__[2].__name__} sharded by fully_shard"
 
+    def hold(self) -> None:
+        """Keep the parameters gathered through the forwards, once gathered (see ``held``)."""
+        self.held += 1
+
+    def release(self) -> None:
+        """Undo one :meth:`hold`; the last one swaps the shards back in."""
+        if self.held <= 0:
+            raise FSDPError(
+                f"{self!r}: released more often than held (hold_gathered(False) twice?)"
+            )
+        self.held -= 1
+        if not self.held:
+            self.reshard()
+
     def _release(self) -> None:
         """The full Parameters give their storage back: each gets a placeholder of its shape
         that MindSpore allocates only if it is read (``set_data`` keeps the shape, which the
@@ -219,12 +233,7 @@ class MSHSDPCell:
         swaps the shards back in (a step of several forwards and backwards, e.g. a pipeline
         stage's microbatches: one gather per group per step)."""
         for g in self._tree_groups():
-            if flag:
-                g.held += 1
-            else:
-                g.held = max(g.held - 1, 0)
-                if not g.held:
-                    g.reshard()
+            g.hold() if flag else g.release()
 
     def gathered_parameters(self, weights) -> list:
         """Each of ``weights`` (this cell's parameters as the optimizer holds them: the shards)
@@ -316,7 +325,6 @@ class _Slots:
                 g, k = where[id(w)]
                 self.slots.setdefault(g, [None] * len(g.shard_params))[k] = i
         self.groups = [g for g in groups if g in self.slots]  # creation order: same everywhere
-        self.all = list(groups)  # whose data-parallel group averages the other gradients
         self.gathered = [
             where[id(w)][0].full_params[where[id(w)][1]] if id(w) in where else w for w in weights
         ]
@@ -329,8 +337,8 @@ class _Slots:
             idx = self.slots[g]
             if not g.unsharded:
                 raise FSDPError(
-                    f"{g!r} did not run in the forward, on this rank at least; every rank must "
-                    "call every sharded cell in a step"
+                    f"reducing gradients: {g!r} did not run in the forward, on this rank at "
+                    "least; every rank must call every sharded cell in a step"
                 )
             whole = [
                 grads[i] if i is not None else p.new_zeros(p.shape)
@@ -341,8 +349,8 @@ class _Slots:
                     grads[i] = shard
                     done.add(i)
         rest = [i for i in range(len(grads)) if i not in done]
-        if rest and self.all:
-            platform, group = self.all[0].platform, self.all[0].group
+        if rest and self.groups:  # averaged where the differentiated groups' ranks are
+            platform, group = self.groups[0].platform, self.groups[0].group
             for i in rest:
                 g = platform.clone(grads[i])
                 platform.all_reduce(g, "avg", group)
@@ -374,7 +382,7 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
         # the gathered values until backward); the ones not differentiated as well
         held = _groups()
         for g in held:
-            g.held += 1
+            g.hold()
         try:
             value, grads = inner(*args)
             if not wlist:
@@ -383,9 +391,7 @@ def parallelize_value_and_grad(fn, grad_position=None, weights=None, has_aux=Fal
             slots.reduce(wgrads)
         finally:
             for g in held:
-                g.held -= 1
-                if not g.held:
-                    g.reshard()
+                g.release()
         wgrads = tuple(wgrads)
         return value, (wgrads if grad_position is None else (grads[0], wgrads))
 

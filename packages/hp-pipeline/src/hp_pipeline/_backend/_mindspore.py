@@ -144,6 +144,13 @@ class MSPipelineStage(StagePosition):
         self.group = group
         self.device = device
         self.sharded = isinstance(module, ShardedCell)
+        inner = [n for n, c in module.cells_and_names() if n and isinstance(c, ShardedCell)]
+        if inner and not self.sharded:
+            raise PipelineError(
+                f"{fn}: sub-cells {inner[:3]} went through fully_shard but the stage's cell did "
+                "not: its gradients would never be reduced (MindSpore has no hook to do it per "
+                "cell); apply fully_shard to the stage's cell too, after its blocks"
+            )
         self.weights = tuple(module.trainable_params())
         # what the forwards use and the backward differentiates: a sharded cell's gathered
         # Parameters (its gradients are reduced to the shards once per step, in finish)
@@ -272,11 +279,11 @@ class MSPipelineSchedule:
             )
         if name not in _SCHEDULES:
             raise PipelineTypeError(
-                f"PipelineSchedule({name!r}) over MindSpore stages: build one of "
+                "PipelineSchedule over MindSpore stages: build one of "
                 f"{', '.join(_SCHEDULES.values())}, not the base class"
             )
         fn = _SCHEDULES[name]
-        stages = check_stage_list(stages, MSPipelineStage, fn)
+        stages = check_stage_list(stages, MSPipelineStage, fn, "PipelineStage over a cell")
         check_int(n_microbatches, "n_microbatches", fn, low=1)
         check_bool(scale_grads, "scale_grads", fn)
         for arg, v in flags.items():
@@ -357,16 +364,16 @@ class MSPipelineSchedule:
             cols = [_split(a, m, f"input {i}") for i, a in enumerate(args)] if first else []
             mbs = [tuple(c[i] for c in cols) for i in range(m)] if first else None
             targets = _split(target, m, "target") if last is not None else None
-        except PipelineError as e:
+        except Exception as e:  # every rank hears of it before any rank waits on another
             problem = e
         self._agree(problem)
-        for st in self.stages.values():
-            st.begin()
         self._meta.clear()  # one header per channel per step: shapes may change between steps
         acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs for that stage
         cots: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> output gradients
         outs, loss_of = {}, {}
         try:
+            for st in self.stages.values():
+                st.begin()
             for item in self.program:
                 if isinstance(item, Message):
                     self._transfer(item, acts, cots)
@@ -410,22 +417,29 @@ class MSPipelineSchedule:
             losses.extend(loss_of[i] for i in range(m))
         return ops.concat([outs[i] for i in range(m)], axis=0)
 
-    def _agree(self, problem: PipelineError | None) -> None:
-        """Every rank of the pipeline learns whether any refused this step's arguments (one
-        small all-reduce), and all raise together: a rank that refused raises its own error,
-        the others name it. Without this, a first stage that refuses a batch would leave the
-        next stages waiting for its activations forever."""
-        if self.pp > 1:
-            flags = np.zeros(self.pp, np.float32)
-            flags[self.rank] = problem is not None
+    def _agree(self, problem: Exception | None) -> None:
+        """Every rank that could wait on this one learns whether any refused this step's
+        arguments (one small all-reduce), and all raise together: a rank that refused raises
+        its own error, the others name it. Without this, a first stage that refuses a batch
+        would leave the next stages waiting for its activations forever. With sharded stages
+        the data-parallel replicas wait on each other too (each group's gather): the whole
+        world agrees then, else the pipeline group."""
+        sharded = any(st.sharded for st in self.stages.values())
+        group, what = (None, "rank(s)") if sharded else (self.group, "pipeline rank(s)")
+        init = self.platform.is_initialized()
+        n = self.platform.get_world_size(group) if init else 1
+        if n > 1:
+            me = self.platform.get_rank(group)
+            flags = np.zeros(n, np.float32)
+            flags[me] = problem is not None
             t = ms.Tensor(flags)
-            self.platform.all_reduce(t, "sum", self.group)
+            self.platform.all_reduce(t, "sum", group)
             refused = [r for r, f in enumerate(t.asnumpy()) if f]
             if refused and problem is None:
                 raise PipelineError(
-                    f"pipeline rank(s) {refused} refused this step's arguments (their error "
-                    f"says why, e.g. a batch n_microbatches={self.n_microbatches} does not "
-                    "divide): every rank of the pipeline stops this step"
+                    f"{what} {refused} refused this step's arguments (their error says why, "
+                    f"e.g. a batch n_microbatches={self.n_microbatches} does not divide): "
+                    "every rank stops this step"
                 )
         if problem is not None:
             raise problem
