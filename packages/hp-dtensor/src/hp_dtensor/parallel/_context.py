@@ -31,6 +31,7 @@ to ``torch.nn.functional.scaled_dot_product_attention`` become context-parallel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from .._backend import get_platform
@@ -444,17 +446,24 @@ def _merge_rows(cur_o, cur_l, o, lb) -> None:
     cur_l.copy_(new)
 
 
-_COMPILED_MERGE: list = []  # the compiled _merge_rows, made at the first CUDA merge
+_COMPILE_MERGE_ON = ("cuda",)  # device types whose merge is compiled (tests add "cpu")
 
 
-def _merge_fn(device: torch.device):
-    """``_merge_rows``; on CUDA compiled into one kernel (eager it is seven small ones per
-    block, which at 4-8k-token blocks cost as much as the attention: RESULTS.md)."""
-    if device.type != "cuda":
+@functools.cache
+def _compiled_merge():
+    """``_merge_rows`` through ``torch.compile`` (a pure function: the cache holds no model's or
+    mesh's state; dynamo's recompile limit for it is shared by the process)."""
+    return torch.compile(_merge_rows, dynamic=None)
+
+
+def _merge_fn(t: torch.Tensor):
+    """``_merge_rows`` for ``t``'s rows: on CUDA compiled (two fused kernels, the output rows
+    and the log-sum-exp rows; eager it is seven small ones per block, which at 4-8k-token
+    blocks cost as much as the attention: RESULTS.md); eager elsewhere and for fake tensors
+    (a dry run under ``FakeTensorMode``: compiled code would read their empty storage)."""
+    if t.device.type not in _COMPILE_MERGE_ON or is_fake(t):
         return _merge_rows
-    if not _COMPILED_MERGE:
-        _COMPILED_MERGE.append(torch.compile(_merge_rows, dynamic=None))
-    return _COMPILED_MERGE[0]
+    return _compiled_merge()
 
 
 def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
@@ -465,7 +474,7 @@ def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
         cur_o.copy_(o)
         cur_l.copy_(lb)
         return
-    _merge_fn(out.device)(cur_o, cur_l, o, lb)
+    _merge_fn(out)(cur_o, cur_l, o, lb)
 
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -623,7 +632,8 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
 def _query_rows(rows: dict | None, dout, q, out, lse, qlo: int, qhi: int) -> tuple:
     """Query rows ``qlo:qhi`` of ``dout``, ``q``, ``out`` and ``lse`` as dense tensors (the
     fused kernels' backward takes dense ones), made once per backward in ``rows``: each query
-    chunk meets every rank's keys, and a copy per block was a quarter of the kernels."""
+    chunk meets every rank's keys, and a copy per block was a quarter of the kernels. One
+    ``rows`` dict belongs to one ``(dout, q, out, lse)``: the key says nothing else."""
     hit = None if rows is None else rows.get((qlo, qhi))
     if hit is None:
         hit = tuple(t[:, :, qlo:qhi].contiguous() for t in (dout, q, out, lse))
