@@ -95,7 +95,10 @@ class OffloadPlan:
     def resolve(self, model) -> dict[str, object]:
         """Module name -> action, after checking that patterns neither overlap nor nest
         (``model``: a torch ``nn.Module`` or a MindSpore ``nn.Cell``)."""
-        names = _names(model, "OffloadPlan.resolve")
+        return self._match(model, _names(model, "OffloadPlan.resolve"))
+
+    def _match(self, model, names: list[str]) -> dict[str, object]:
+        """:meth:`resolve` over ``model``'s submodule ``names``, already listed."""
         chosen: dict[str, tuple[str, object]] = {}
         for pat, action in self.rules.items():
             rx = [_regex(p) for p in _expand(pat)]
@@ -126,14 +129,14 @@ def apply_offload_plan(model, plan: OffloadPlan, *, manager: SwapManager | None 
     :class:`CheckpointPolicy` with ``every=k``, only every k-th matched module (in model order)
     is checkpointed.
     """
-    _names(model, "apply_offload_plan")  # a torch module or a MindSpore cell, else refused
+    names = _names(model, "apply_offload_plan")  # a torch module or a MindSpore cell
     if not isinstance(plan, OffloadPlan):
         hint = " (wrap the mapping: OffloadPlan({...}))" if isinstance(plan, Mapping) else ""
         raise OffloadTypeError(
             f"apply_offload_plan: plan is a {type(plan).__name__}: pass an OffloadPlan{hint}"
         )
     check_type(manager, SwapManager, "manager", "apply_offload_plan")
-    actions = plan.resolve(model)
+    actions = plan._match(model, names)  # the names listed once
     by_policy: dict[int, int] = {}
     done: dict[int, object] = {}
     for name, action in actions.items():

@@ -306,6 +306,11 @@ def test_wrong_arguments():
     assert math.isfinite(_reference()[0])
 
 
+def _checkpointed(net) -> list[bool]:
+    """Per layer: whether a checkpoint wrapper holds it."""
+    return [hasattr(layer, "_checkpoint_wrapped_module") for layer in net.layers]
+
+
 def test_offload_plan_on_cells():
     """apply_offload_plan on a cell: a range checkpointed, one layer swapped, by name; the
     gradients equal the plain run's and no probe is held between forward and backward."""
@@ -321,11 +326,7 @@ def test_offload_plan_on_cells():
         "layers.2": SwapPolicy(fuse_below=0),
     }
     assert apply_offload_plan(net, plan, manager=manager) is net
-    assert [hasattr(layer, "_checkpoint_wrapped_module") for layer in net.layers] == [
-        True,
-        True,
-        False,
-    ]
+    assert _checkpointed(net) == [True, True, False]
     got = _step(net, seen)
     _close(got, ref)
     assert got[2] == {"probes": 0, "made": LAYERS}
@@ -334,11 +335,7 @@ def test_offload_plan_on_cells():
     # every=2: only every second matched layer; a selective policy is refused by name
     net, seen = _net()
     apply_offload_plan(net, OffloadPlan({"layers.*": CheckpointPolicy(every=2)}))
-    assert [hasattr(layer, "_checkpoint_wrapped_module") for layer in net.layers] == [
-        True,
-        False,
-        True,
-    ]
+    assert _checkpointed(net) == [True, False, True]
     got = _step(net, seen)
     _close(got, ref)
     assert got[2]["probes"] == 1  # the one layer left alone holds its probe (can fail)
