@@ -10,6 +10,7 @@ SDPA attention; ``--hf-experts eager`` runs its per-expert loop instead. Target 
     python benchmarks/trainer/moe_1gpu.py --device cuda --model deepseek-v3-1b --batch 4 \\
         --seq 2048 --steps 30
     python benchmarks/trainer/moe_1gpu.py ... --compile  # both compiled per block
+    python benchmarks/trainer/moe_1gpu.py ... --profile  # kernels by device time, each model
     python benchmarks/trainer/moe_1gpu.py              # a tiny CPU run (nox -s bench)
 """
 
@@ -33,7 +34,47 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _train(name, model, batches, dev, lr, forward, fused=False):
+def _step(model, x, y, opt, forward, fused):
+    if fused:  # the output projection and the loss fused over token chunks
+        loss = model(x, targets=y)
+    else:
+        logits = forward(model, x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _profile(name, model, batches, opt, forward, fused, dev):
+    """Two more steps under torch.profiler: the kernels by device time, and the device's busy
+    time per step against the step's wall time (the difference: the device waiting on the
+    host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for x, y in batches[-2:]:
+            _step(model, x, y, opt, forward, fused)
+        _sync(dev)
+    wall = (time.perf_counter() - t0) / 2 * 1e3
+    events = prof.key_averages()
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    busy = (
+        sum(
+            getattr(e, key)
+            for e in events
+            if e.device_type.name == dev.type.upper() and not getattr(e, "is_user_annotation", 0)
+        )
+        / 2e3
+    )
+    print(f"# profile of {name}: {wall:.1f} ms per step (profiled), device busy {busy:.1f} ms")
+    print(events.table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
+def _train(name, model, batches, dev, lr, forward, fused=False, profile=False):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=dev.type == "cuda")
     losses, times = [], []
     if dev.type == "cuda":
@@ -42,20 +83,15 @@ def _train(name, model, batches, dev, lr, forward, fused=False):
     for x, y in batches:
         _sync(dev)
         t0 = time.perf_counter()
-        if fused:  # the output projection and the loss fused over token chunks
-            loss = model(x, targets=y)
-        else:
-            logits = forward(model, x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _step(model, x, y, opt, forward, fused)
         _sync(dev)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     peak = (
         (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
     )
+    if profile:
+        _profile(name, model, batches, opt, forward, fused, dev)
     del opt
     return losses, times, peak
 
@@ -84,6 +120,23 @@ def main() -> int:
         help="ours computes the output projection and the loss fused over token chunks "
         "(training.fused_loss); transformers keeps its logits",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile two more of each implementation and print the "
+        "kernels by device time",
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default="default",
+        help="torch.compile's mode for both models' blocks (e.g. reduce-overhead: CUDA graphs)",
+    )
+    ap.add_argument(
+        "--hf-compile-moe",
+        action="store_true",
+        help="with --compile, compile transformers' MoE modules with its layers too (by default "
+        "they are left eager, as ours were before they became shape-stable)",
+    )
     args = ap.parse_args()
     import transformers
 
@@ -110,11 +163,11 @@ def main() -> int:
     if args.compile:
         from hp_trainer._parallelize import apply_compile
 
-        apply_compile(ours)
+        apply_compile(ours, args.compile_mode)
         for layer in hf.model.layers:
-            if hasattr(layer.mlp, "experts"):  # its routed experts change shapes every step
+            if hasattr(layer.mlp, "experts") and not args.hf_compile_moe:
                 layer.mlp.forward = torch.compiler.disable(layer.mlp.forward)
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, mode=args.compile_mode)
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.steps):
@@ -124,11 +177,12 @@ def main() -> int:
     # alternate which runs first, so clocks and caches favour neither
     runs = [
         ("ours", ours, lambda m, x: m(x)),
-        ("transformers", hf, lambda m, x: m(input_ids=x).logits),
+        # use_cache=False: in training transformers would otherwise fill a key/value cache
+        ("transformers", hf, lambda m, x: m(input_ids=x, use_cache=False).logits),
     ]
     for name, model, fwd in runs:
         fused = args.fused_loss and name == "ours"
-        results[name] = _train(name, model, batches, dev, args.lr, fwd, fused)
+        results[name] = _train(name, model, batches, dev, args.lr, fwd, fused, args.profile)
     tokens = args.batch * args.seq
     fpt = cfg.flops_per_token(args.seq)
     peak_flops = None

@@ -106,8 +106,10 @@ def _check_range(flat: torch.Tensor, buckets: int) -> None:
 
 def _counting_order(flat: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order and counts of CPU ids: the compiled O(n) counting sort (range checked on
-    the way), or torch's stable sort where the module was not built."""
-    if not has_data(flat):  # a fake tensor (a dry run): no data to read or check
+    the way), or torch's stable sort where the module was not built. Under ``torch.compile``
+    (and for fake tensors) torch's stable sort, traced into the graph: the counting sort reads
+    raw pointers and the range check reads values on the host, both graph breaks."""
+    if not has_data(flat) or torch.compiler.is_compiling():
         return torch.sort(flat, stable=True).indices, count_experts(flat, buckets)
     if not is_built():
         _check_range(flat, buckets)
@@ -142,7 +144,8 @@ def expert_order(
         keep: optional bool mask of ``expert_ids``' shape; entries that are False go after every
             expert's block and are not counted.
         check: on CUDA, check the id range (a device-to-host sync); pass False for ids made by
-            a router, which are in range by construction. The CPU path always checks (free).
+            a router, which are in range by construction. The CPU path always checks (free)
+            outside ``torch.compile``; compiled, it checks as CUDA does.
 
     Returns:
         ``(order, counts)``: ``order[r]`` is the flat position of the ``r``-th entry in expert
@@ -159,7 +162,8 @@ def expert_order(
     check_bool("expert_order", check, "check")
     flat = expert_ids.reshape(-1).to(torch.int64)
     on_cpu = flat.device.type == "cpu"
-    if check and not on_cpu:
+    compiling = torch.compiler.is_compiling()
+    if check and (not on_cpu or compiling):
         _check_range(flat, num_experts)
     buckets = num_experts
     if keep is not None:
@@ -168,7 +172,7 @@ def expert_order(
                 f"keep must be a bool tensor of expert_ids' shape {tuple(expert_ids.shape)}, "
                 f"got {keep.dtype} {tuple(keep.shape)}"
             )
-        if on_cpu and has_data(flat):  # (a fake tensor has no data to check)
+        if on_cpu and has_data(flat) and not compiling:  # (a fake tensor has no data)
             _check_range(flat, num_experts)  # before the dropped ones take the extra bucket
         flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: one bucket past the end
         buckets = num_experts + 1
@@ -482,7 +486,8 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, row_weights: torch.Tensor | None = 
             f"swiglu: row_weights has shape {tuple(row_weights.shape)}; it needs ({a.shape[0]},)"
         )
     fused = None
-    if a.is_cuda and a.dtype == b.dtype:
+    # under torch.compile the composite is traced and fused by the compiler with its neighbours
+    if a.is_cuda and a.dtype == b.dtype and not torch.compiler.is_compiling():
         fused = _triton_ops()
         a, b = a.contiguous(), b.contiguous()
         if row_weights is not None:

@@ -149,3 +149,39 @@ def test_fake_tensors_are_ordered_without_reading_their_data():
     assert kept_order.shape == (6,) and perm.tokens.shape == (6, 8)
     assert balanced_split(10, 4) == [3, 3, 2, 2] and balanced_split(8, 4) == [2, 2, 2, 2]
     assert sum(balanced_split(7, 3)) == 7
+
+
+def test_compiled_order_and_swiglu_match_eager_without_graph_breaks():
+    """Under torch.compile the CPU ids are ordered by torch's stable sort traced into the graph
+    (the counting-sort extension reads raw pointers): the same order and counts as eager, also
+    with dropped copies, one graph and no break; ``check=True`` still refuses an id out of
+    range, compiled as eager. The SwiGLU traces to the same values and gradients."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (12, 3), generator=g)
+    keep = torch.rand(12, 3, generator=g) > 0.3
+
+    def order(i, k):
+        return moe.expert_order(i, 5, keep=k, check=False)
+
+    compiled = torch.compile(order, fullgraph=True)
+    for k in (None, keep):
+        got, want = compiled(ids, k), order(ids, k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not counters["graph_break"]
+    with pytest.raises(Exception, match="num_experts=5"):
+        torch.compile(lambda i: moe.expert_order(i, 5))(torch.tensor([[0, 7]]))
+
+    a = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    want = moe.swiglu(a, b, w)
+    got = torch.compile(moe.swiglu, fullgraph=True)(a, b, w)
+    torch.testing.assert_close(got, want)
+    gw = torch.autograd.grad(want.sum(), (a, b, w))
+    gg = torch.autograd.grad(got.sum(), (a, b, w))
+    for x, y in zip(gg, gw):
+        torch.testing.assert_close(x, y)

@@ -26,7 +26,7 @@ from ._dispatch import (
     TokenDispatcher,
 )
 from ._experts import FeedForward, GroupedExperts, grouped_mm, grouped_mm_supported
-from ._moe import MoE
+from ._moe import MoE, hoist_recompute_check
 from ._router import TokenChoiceTopKRouter
 from ._styles import ExpertParallel, ExpertTensorParallel, TensorParallel
 from .errors import DispatchError, MoEConfigError, MoEError, MoEMeshError, MoETypeError
@@ -56,6 +56,7 @@ __all__ = [
     "TokenDispatcher",
     "grouped_mm",
     "grouped_mm_supported",
+    "hoist_recompute_check",
     "moe_statistics",
     "register_expert_bias_update",
     "set_aux_loss_scale",

@@ -51,10 +51,12 @@ def non_reentrant_recompute() -> bool:
     return bool(top) and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook")
 
 
+@torch.compiler.disable
 def recomputing() -> bool:
     """True while this forward is an activation-checkpoint recomputation: autograd executes a
     backward on this thread, or PyTorch's checkpoint is refilling saved tensors (which
-    hp-pipeline's weight-gradient steps make it do outside a backward)."""
+    hp-pipeline's weight-gradient steps make it do outside a backward). Never traced: it reads
+    autograd's state, which a compiled graph cannot guard on (a graph break, run eagerly)."""
     return torch._C._current_graph_task_id() != -1 or non_reentrant_recompute()
 
 

@@ -98,6 +98,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         raise MoEConfigError(f"grouped_mm: offsets has dtype {offsets.dtype}: give int32 offsets")
     if grouped_mm_supported(x, w):
         return _GMM(x, w.transpose(-2, -1), offs=offsets)
+    return _matmul_loop(x, w, offsets)
+
+
+@torch.compiler.disable
+def _matmul_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm``'s loop of matmuls. Never traced by ``torch.compile``: the row bounds are
+    read on the host, and a graph specialised on them would recompile whenever the routing
+    changes (a graph break instead, once per call)."""
     out = x.new_zeros((x.shape[0], w.shape[1]))
     if kmoe.has_data(offsets):
         bounds = [0, *offsets.tolist()]

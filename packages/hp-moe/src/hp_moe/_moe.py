@@ -22,7 +22,7 @@ from ._experts import FeedForward, GroupedExperts
 from ._router import TokenChoiceTopKRouter, check_routing
 from .errors import DispatchError, MoEConfigError, MoETypeError
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "hoist_recompute_check"]
 
 _FP32_BUFFERS = ("expert_bias", "tokens_per_expert", "aux_loss_total", "global_counts")
 
@@ -134,6 +134,7 @@ class MoE(nn.Module):
         # step statistics (not checkpointed, reset by update_expert_bias): routed copies per
         # expert, dropped copies, the sum of this step's balance losses, and the "global" loss's
         # accumulated counts (E counts, then the token count)
+        self._recomputing: bool | None = None  # set by hoist_recompute_check's wrapper only
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_total", torch.zeros(()), persistent=False)
@@ -206,7 +207,10 @@ class MoE(nn.Module):
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         top_scores, top_indices, scores = self.router(flat, self.expert_bias)
-        record = self.training and not recomputing()  # see NOTE [Balance statistics ...]
+        # see NOTE [Balance statistics ...]; read before the call when hoist_recompute_check
+        # wraps a compiled region (a bool the graph guards on, instead of a graph break)
+        rec = self._recomputing
+        record = self.training and not (recomputing() if rec is None else rec)
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_keep(top_scores, top_indices, self.num_experts, self.capacity_factor)
@@ -271,3 +275,36 @@ def _check_balance(shared, lb_coeff, aux_coeff, aux_type, capacity_factor) -> No
         raise MoEConfigError(f"aux_loss_type={aux_type!r} is not one of {AUX_LOSS_TYPES}")
     if capacity_factor is not None:
         check_number(capacity_factor, "capacity_factor", positive=True, hint=" (None: dropless)")
+
+
+def hoist_recompute_check(fn, module: nn.Module):
+    """``fn`` (a ``torch.compile``-d forward of ``module``, e.g. a transformer block's) wrapped
+    so that whether a call is an activation-checkpoint recomputation is read once, eagerly,
+    before the call, and handed to ``module``'s MoE layers as a plain bool.
+
+    A MoE layer records its balance statistics on a forward and not on its recomputation
+    (``recomputing()``), which reads autograd's state: traced, that is a graph break in every
+    MoE layer. Given the bool, the compiled graph guards on it instead (at most one graph
+    for forwards and one for recomputations). The previous values are put back after the
+    call, so wrapped regions nest; a MoE layer called outside the wrapper checks for itself.
+
+    Example::
+
+        block.forward = hoist_recompute_check(torch.compile(block.forward), block)
+    """
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    if not moes:
+        return fn
+
+    def forward(*args, **kwargs):
+        flag = recomputing()
+        before = [m._recomputing for m in moes]
+        for m in moes:
+            m._recomputing = flag
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for m, b in zip(moes, before):
+                m._recomputing = b
+
+    return forward

@@ -518,3 +518,75 @@ def test_grouped_mm_of_fake_tensors_runs_balanced():
     with FakeTensorMode() as mode:
         out = grouped_mm(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(offsets))
     assert out.shape == real.shape == (10, 6) and out.dtype == real.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_moe_layer_equals_eager_and_does_not_recompile_with_the_routing(dtype):
+    """A MoE layer without expert parallelism under torch.compile (as ``training.compile``
+    traces it inside its block): the same output, gradients and token counts as eager over
+    three batches that route differently, and no new graph after the first batch. bf16 takes
+    the grouped GEMM (counts read on the device); fp32 on CPU the loop of matmuls, which is
+    never traced (its bounds are host values): a graph break, not a graph per routing."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    kw = dict(num_shared_experts=1, score_func="sigmoid", route_norm=True, load_balance_coeff=0.0)
+    eager = MoE(16, 32, 4, 2, **kw).to(dtype)
+    traced = MoE(16, 32, 4, 2, **kw).to(dtype)
+    traced.load_state_dict(eager.state_dict())
+    step = torch.compile(traced)
+    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    graphs = []
+    for seed in range(3):
+        x = torch.randn(2, 6, 16, generator=_gen(seed)).to(dtype)
+        outs = []
+        for fn, m in ((eager, eager), (step, traced)):
+            xi = x.clone().requires_grad_(True)
+            out = fn(xi)
+            out.float().pow(2).sum().backward()
+            outs.append((out, xi.grad, m.router.gate.weight.grad.clone(), m.experts.w2.grad))
+            m.zero_grad(set_to_none=True)
+        for a, b in zip(*outs):
+            torch.testing.assert_close(b, a, **tol)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs
+    assert torch.equal(traced.tokens_per_expert, eager.tokens_per_expert)
+    assert int(eager.tokens_per_expert.sum()) == 3 * 12 * 2
+
+
+def test_hoisted_recompute_check_under_checkpointing_counts_each_forward_once():
+    """``hoist_recompute_check`` around a compiled region holding a MoE layer, under
+    non-reentrant activation checkpointing: the recomputation runs the compiled graph again
+    without recording, so the token counts are those of the eager forwards (counted once),
+    with the same outputs and gradients; no graph break (the check is read before the call)
+    and at most two graphs (forward, recomputation). Outside the wrapper the layer checks for
+    itself, and the flag is put back after each call."""
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    kw = dict(num_shared_experts=1, score_func="sigmoid", load_balance_coeff=0.0)
+    eager = MoE(16, 32, 4, 2, **kw).to(torch.bfloat16)
+    traced = MoE(16, 32, 4, 2, **kw).to(torch.bfloat16)
+    traced.load_state_dict(eager.state_dict())
+    region = hp_moe.hoist_recompute_check(torch.compile(traced.forward), traced)
+    for seed in range(2):
+        x = torch.randn(2, 6, 16, generator=_gen(seed)).to(torch.bfloat16)
+        grads = []
+        for fn in (eager, region):
+            xi = x.clone().requires_grad_(True)
+            out = checkpoint(fn, xi, use_reentrant=False)
+            out.float().pow(2).sum().backward()
+            grads.append((out.detach(), xi.grad))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+        assert traced._recomputing is None
+    assert torch.equal(traced.tokens_per_expert, eager.tokens_per_expert)
+    assert int(eager.tokens_per_expert.sum()) == 2 * 12 * 2  # each forward counted once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+    assert hp_moe.hoist_recompute_check(len, torch.nn.Linear(2, 2)) is len  # no MoE: unchanged

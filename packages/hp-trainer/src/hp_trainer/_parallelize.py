@@ -15,7 +15,7 @@ import torch.nn as nn
 import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
-from .config import ACTIVATION_ACTIONS
+from .config import ACTIVATION_ACTIONS, COMPILE_MODES
 from .errors import ConfigError, TrainerTypeError, check_instance
 
 __all__ = [
@@ -79,6 +79,15 @@ class ParallelizeConfig:
                 fn,
                 "give {pattern: action}, e.g. {'layers.0-3': 'swap'}",
             )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"{fn}: compile_mode={self.compile_mode!r}: use one of {list(COMPILE_MODES)}"
+            )
+        if self.compile_mode != "default" and not self.compile:
+            raise ConfigError(
+                f"{fn}: compile_mode={self.compile_mode!r} without compile=True would be "
+                "ignored: set compile=True, or leave compile_mode 'default'"
+            )
         if self.cp_method not in ("ring", "allgather", "ulysses"):
             raise ConfigError(
                 f"{fn}: cp_method={self.cp_method!r}: use 'ring', 'allgather' or 'ulysses'"
@@ -104,6 +113,12 @@ class ParallelizeConfig:
     cp_load_balance: bool = True
     seq_len: int | None = None
     compile: bool = False
+    #: ``torch.compile``'s mode for the blocks (``config.COMPILE_MODES``); the CUDA-graph modes
+    #: on one process only
+    compile_mode: str = "default"
+
+
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def dp_mesh(mesh, parallel_dims: ParallelDims):
@@ -614,24 +629,33 @@ def _activation_memory(model: nn.Module, config: ParallelizeConfig) -> None:
         model.swap_manager = manager
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, mode: str = "default") -> None:
     """Compile each transformer block's forward with ``torch.compile`` (torchtitan compiles per
     block: one block's graph serves every block of the same shapes). The block's own forward is
     replaced, not the module wrapped, so parameter names do not change; FSDP's hooks and
     activation checkpointing stay outside the compiled region (checkpointing re-runs the
     compiled forward).
 
-    MoE layers stay eager inside the compiled blocks (a graph break around each): how many
-    tokens each expert gets changes every step, and compiling those shapes recompiled the
-    block at nearly every step (21 graphs in 4 steps of the tiny DeepSeek-V3; 3 with the MoE
-    left out). Attention, norms and residuals, where the fusion pays, are compiled."""
-    from hp_moe import MoE
+    MoE layers without expert parallelism are compiled with their block: every tensor's shape
+    is then fixed by the batch (the grouped GEMMs read the per-expert counts on the device), so
+    the router, the permutation's gathers, the SwiGLU and the combine fuse with the block's
+    other kernels. Whether a forward is a recomputation (a MoE layer records its statistics on
+    the forward only) is read before the compiled call (``hp_moe.hoist_recompute_check``), not
+    in the graph. Where torch has no grouped GEMM for the operands the loop of matmuls is a
+    graph break (its row bounds are read on the host; never traced, so the routing does not
+    recompile it). A MoE layer whose experts are split over an
+    expert-parallel mesh stays eager: its all-to-alls size their buffers from the routing and
+    run collectives, and compiling those shapes recompiled the block at nearly every step
+    (21 graphs in 4 steps of the tiny DeepSeek-V3).
+
+    ``mode`` is ``torch.compile``'s (``config.COMPILE_MODES``)."""
+    from hp_moe import LocalDispatcher, MoE, hoist_recompute_check
 
     for block in _blocks(model):
         for m in block.modules():
-            if isinstance(m, MoE):
+            if isinstance(m, MoE) and not isinstance(m.experts.dispatcher, LocalDispatcher):
                 m.forward = torch.compiler.disable(m.forward)
-        block.forward = torch.compile(block.forward)
+        block.forward = hoist_recompute_check(torch.compile(block.forward, mode=mode), block)
 
 
 def apply_autocast(model: nn.Module, dtype: torch.dtype) -> None:
@@ -700,6 +724,13 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 "training.compile=true compiles blocks on one process or under FSDP (data "
                 f"parallelism); not with {', '.join(wrong)}: set them to 1, or leave "
                 "training.compile false"
+            )
+        if config.compile_mode in _CUDA_GRAPH_MODES and pd.world_size > 1:
+            raise ConfigError(
+                f"training.compile_mode={config.compile_mode!r} captures CUDA graphs, which "
+                f"are tested on one process only (this job has {pd.world_size}: FSDP gathers "
+                "parameters into new buffers every step, which a graph would replay stale): "
+                "use 'default' or 'max-autotune-no-cudagraphs'"
             )
         swapped = (
             config.activation_checkpoint == "swap"
@@ -796,7 +827,7 @@ def parallelize_llama(
     check_parallelize_config(parallel_dims, config)
     if parallel_dims.world_size == 1 and mesh is None:  # one process: no mesh, no FSDP
         if config.compile:
-            apply_compile(model)
+            apply_compile(model, config.compile_mode)
         _activation_memory(model, config)
         if config.param_dtype is not None:
             apply_autocast(model, config.param_dtype)
@@ -820,7 +851,7 @@ def parallelize_llama(
         )
     moes = _expert_parallel(model, pd, mesh, expert_mesh) if cfg.moe is not None else []
     if config.compile:
-        apply_compile(model)
+        apply_compile(model, config.compile_mode)
     _activation_memory(model, config)
     fsdp_mesh = dp_mesh(mesh, parallel_dims)
     if fsdp_mesh is None and config.param_dtype is not None:  # no FSDP to cast parameters

@@ -115,6 +115,7 @@ def parallelize_config(cfg: JobConfig) -> ParallelizeConfig:
         cp_load_balance=p.context_parallel_load_balance,
         seq_len=t.seq_len,
         compile=t.compile,
+        compile_mode=t.compile_mode,
         cpu_offload=p.fsdp_cpu_offload,
         async_tp=p.async_tp,
     )

@@ -62,6 +62,9 @@ class Training:
     seed: int = 0
     deterministic: bool = False
     compile: bool = False  # torch.compile each transformer block (one process or FSDP)
+    # torch.compile's mode for the blocks: "default", "max-autotune-no-cudagraphs", or, on one
+    # process, "reduce-overhead" / "max-autotune" (CUDA graphs: the host's launch time goes)
+    compile_mode: str = "default"
     # the output projection and the loss fused over token chunks (models.linear_cross_entropy):
     # no [tokens, vocabulary] logits; one process or FSDP, without multi-token prediction
     fused_loss: bool = False
@@ -108,6 +111,8 @@ class MoE:
 
 #: what activation memory a block (or a plan's module) gets
 ACTIVATION_ACTIONS = ("none", "full", "selective", "swap")
+#: torch.compile's modes; the last two capture CUDA graphs
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -322,6 +327,16 @@ def _check(cfg: JobConfig) -> None:
     for key in ("mixed_precision_param", "mixed_precision_reduce"):
         if getattr(t, key) not in ("float32", "bfloat16", "float16"):
             problems.append(f"training.{key}={getattr(t, key)!r}: use float32, bfloat16 or float16")
+    if t.compile_mode not in COMPILE_MODES:
+        problems.append(
+            f"training.compile_mode={t.compile_mode!r}{_suggest(t.compile_mode, COMPILE_MODES)}: "
+            f"use one of {list(COMPILE_MODES)}"
+        )
+    elif t.compile_mode != "default" and not t.compile:
+        problems.append(
+            f"training.compile_mode={t.compile_mode!r} sets torch.compile's mode: it needs "
+            "training.compile=true"
+        )
     if t.on_nonfinite not in ("stop", "skip"):
         problems.append(f"training.on_nonfinite={t.on_nonfinite!r}: use 'stop' or 'skip'")
     for key in ("init_timeout_s", "train_timeout_s", "checkpoint_timeout_s"):

@@ -68,22 +68,82 @@ def test_compile_matches_eager(tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
 
 
-def test_compile_leaves_moe_layers_eager(tmp_path):
-    """A MoE model compiles its blocks around the MoE layers: the same losses as eager, and a
-    few graphs, not one per step's routing (before, 4 steps of this model made 21)."""
+def test_compile_traces_moe_layers_without_a_graph_per_routing(tmp_path):
+    """A MoE model (no expert parallelism) compiles its MoE layers with their blocks: the same
+    losses as eager and no new graph after the second step, whatever the routing (tracing
+    the routing before made 21 graphs in 4 steps of this model, one per step's counts); the
+    recomputation check is read before the call, never a graph break. In fp32 on CPU the loop
+    of matmuls is the one break. With full recomputation the balance counts (and so the
+    expert bias they move) are those of eager: each forward counted once."""
     from torch._dynamo.utils import counters
 
     from hp_moe import MoE
+    from hp_trainer import Callback
+
+    class Graphs(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, trainer, step, metrics):
+            self.seen.append(counters["stats"]["unique_graphs"])
 
     moe = ["--model.name", "deepseek-v3-tiny"]
-    eager = LLMTrainer(_cfg(tmp_path, 4, *moe, name="eager")).train()
-    counters.clear()
-    trainer = LLMTrainer(_cfg(tmp_path, 4, *moe, "--training.compile", "true"))
-    compiled = trainer.train()
-    graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= 6, graphs
-    assert any(isinstance(m, MoE) for m in trainer.model.modules())
-    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    for extra in ([], ["--activation_checkpoint.mode", "full"]):
+        eager_t = LLMTrainer(_cfg(tmp_path, 5, *moe, *extra, name="eager"))
+        eager = eager_t.train()
+        torch._dynamo.reset()
+        counters.clear()
+        graphs = Graphs()
+        trainer = LLMTrainer(
+            _cfg(tmp_path, 5, *moe, *extra, "--training.compile", "true"), callbacks=[graphs]
+        )
+        compiled = trainer.train()
+        assert graphs.seen[0] >= 2 and graphs.seen[1:] == [graphs.seen[1]] * 4, graphs.seen
+        breaks = {str(k) for k in counters["graph_break"]}
+        assert breaks and all("_matmul_loop" in b for b in breaks), breaks
+        assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+        layers = [m for m in trainer.model.modules() if isinstance(m, MoE)]
+        ref = [m for m in eager_t.model.modules() if isinstance(m, MoE)]
+        assert layers and all(m._recomputing is None for m in layers)
+        assert all("forward" not in m.__dict__ for m in layers)  # traced, not left eager
+        for a, b in zip(layers, ref):
+            torch.testing.assert_close(a.expert_bias, b.expert_bias, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_mode_is_honoured_or_refused(tmp_path, monkeypatch):
+    """training.compile_mode reaches torch.compile for every block; set without compile, or a
+    CUDA-graph mode on several processes, or a name torch does not have, it is refused."""
+    from hp_trainer import preflight
+
+    modes = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        modes.append(kw.get("mode"))
+        return real(fn, **{**kw, "mode": "default"})
+
+    monkeypatch.setattr(torch, "compile", spy)
+    cfg = _cfg(
+        tmp_path,
+        1,
+        "--training.compile",
+        "true",
+        "--training.compile_mode",
+        "max-autotune-no-cudagraphs",
+    )
+    trainer = LLMTrainer(cfg)
+    assert modes and set(modes) == {"max-autotune-no-cudagraphs"}
+    assert len(modes) == len(list(trainer.model.layers.values()))
+    with pytest.raises(ConfigError, match="compile_mode='reduce-overhead'.*needs training.compile"):
+        _cfg(tmp_path, 1, "--training.compile_mode", "reduce-overhead")
+    with pytest.raises(ConfigError, match="compile_mode='fast'"):
+        _cfg(tmp_path, 1, "--training.compile", "true", "--training.compile_mode", "fast")
+    cuda_graphs = _cfg(
+        tmp_path, 1, "--training.compile", "true", "--training.compile_mode", "reduce-overhead"
+    )
+    with pytest.raises(ConfigError, match="captures CUDA graphs.*one process"):
+        preflight(cuda_graphs, 2)
+    preflight(cuda_graphs, 1)
 
 
 class _Poison:
