@@ -96,7 +96,9 @@ class ParamGroup:
         self.avg_in_collective = all(
             self.platform.group_backend(mesh._groups[d]) == "nccl" for d in range(mesh.ndim)
         )
-        self._rs = None  # a started reduce-scatter: (work, out, send, has-grad mask)
+        # a started reduce-scatter: (work, out, send, has-grad mask); work and send go once
+        # the next group's reduce-scatter starts (_launch_allreduce)
+        self._rs = None
         self._rs_event = None
         self._ar = None  # HSDP all-reduce: None (not started), True (none needed), or its work
         self._fwd_calls = 0  # forward calls (with grad) since the last backward
@@ -368,11 +370,15 @@ class ParamGroup:
         """After this group's reduce-scatter: all-reduce across replicas (HSDP), async."""
         if self._rs is None or self._ar is not None:
             return
-        work, out, send, has = self._rs
+        work, out, _send, has = self._rs
         col.wait_event(self._rs_event, out)
         if work is not None:
             work.wait()  # on NCCL a stream dependency, not a host wait
-        self._rs = (None, out, send, has)
+        # the reduce-scatter is done with its input (the unsharded gradients, packed): let it
+        # go now, not at the end of backward, so at most the newest group's input is held
+        # (FSDP2 does the same); it was made on the reduce-scatter's stream, so the
+        # allocator reuses it only after the collective
+        self._rs = (None, out, None, has)
         if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
             op = "avg" if self.avg_in_collective else "sum"
             rep = self.mesh._groups[self.rep_dim]
