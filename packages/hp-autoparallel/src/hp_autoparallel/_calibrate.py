@@ -69,6 +69,7 @@ class Calibration:
     compute_dtype: str
     device: str
     fields: dict[tuple[str, str], Measured] = field(default_factory=dict)
+    rms_norm: str = "fused"  # what F.rms_norm runs here (GpuCalibration.rms_norm)
 
     def set(self, section: str, key: str, value: float, how: str) -> None:
         """Record ``section.key = value`` with its provenance ``how``."""
@@ -603,6 +604,20 @@ def _device_memory(cal: Calibration, device, ranks: int) -> None:
         )
 
 
+def _rms_norm_kind(device, dtype) -> str:
+    """What ``F.rms_norm`` runs on ``device``: ``"fused"`` when autograd records one node for
+    it (CUDA's kernel saves its input and rstd), ``"decomposed"`` when the last node is the
+    composite's multiply (the CPU's, which also saves the normalised ``x * rstd``)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.ones(2, 8, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
+    y = F.rms_norm(x, (8,), w, 1e-6)
+    node = type(y.grad_fn).__name__ if y.grad_fn is not None else ""
+    return "decomposed" if node.startswith(("Mul", "ToCopy")) else "fused"
+
+
 def _kind(device) -> str:
     """The GPU kind's name: ``h200`` for an "NVIDIA H200", ``cpu`` on the CPU."""
     import torch
@@ -653,6 +668,7 @@ def calibrate(
         name=kind,
         compute_dtype="bfloat16" if device == "cuda" else "float32",
         device=torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
+        rms_norm=_rms_norm_kind(dev, dtype),
     )
     s = _SIZES[(device, quick)]
     threads = torch.get_num_threads()
@@ -774,6 +790,11 @@ def render(cal: Calibration) -> str:
         if section == "gpu":
             lines.append(f'name = "{cal.name}"')
             lines.append(f'compute_dtype = "{cal.compute_dtype}"')
+            lines += _wrap(
+                "measured: the autograd node F.rms_norm records here (fused: one kernel saving "
+                "its input and rstd; decomposed: torch's composite, which also saves x * rstd)"
+            )
+            lines.append(f'rms_norm = "{cal.rms_norm}"')
         for key in keys:
             m = cal.fields.get((section, key))
             if m is None:

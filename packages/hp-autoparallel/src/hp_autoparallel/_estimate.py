@@ -11,26 +11,45 @@ NOTE [What the trainer keeps]
   NOTE [Parameter classes]) and sharded over dp_shard x cp; routed experts are split over
   ep x etp and sharded over the experts' own data-parallel ranks (dp_shard / ep). Without
   FSDP the same 16 bytes are whole, plus the bf16 copies autocast casts for the matmuls.
-- Around compute FSDP gathers a block's parameters in bf16: the block in use and the one
-  prefetched, its bf16 gradients and the fp32 reduce-scatter buffers of this block and the
-  previous (still in flight): 14 bytes per gathered parameter of the largest block. The root
-  (embedding, final norm, output) stays gathered from forward to backward.
+- FSDP reshards each block after its forward; the root (embedding, final norm, output) stays
+  gathered (bf16) from forward to backward. In backward a block is gathered with the next
+  one prefetched; its gradients are made in bf16 and packed into an fp32 reduce-scatter
+  input (the block's whole gradients) with an fp32 output (its shard). hp_fsdp lets go of
+  the input once the reduce-scatter is done (when the next block's starts) and holds the
+  output until the backward's end (``ParamGroup._rs``), when the outputs become the gradient
+  shards: by the last block's backward that is 4 / shard bytes per parameter of every other
+  block, and one block's 4 bytes per parameter. The head's gradients (output projection, final norm)
+  exist from the first block's backward, the embedding's at the end.
 - Under a pipeline, hp-pipeline's UNSHARD gathers every stage once per step and keeps it
-  (with its bf16 gradients) until RESHARD reduces all groups at once (fp32 buffers).
+  (with its bf16 gradients, no fp32 shard of any) until RESHARD reduces all groups at once
+  (every group's fp32 output, the inputs of two groups at a time); the last stage keeps
+  each microbatch's detached logits (all m by its last microbatch's loss) and concatenates
+  them after RESHARD (2 m then). On gloo (``Cluster.holds_sends``) a send's work reports
+  completion only once waited, so every tensor a rank sent (hidden states forward, their
+  gradients back) stays until the step's end; on NCCL it is let go at the next compute step.
 - Activations: NOTE [Saved activations] in ``_layers``, times the microbatches in flight
-  (``_pipeline.inflight``), plus one block's whole set while it is recomputed; the last stage
-  keeps the fp32 log-softmax of ``F.cross_entropy(logits.float())`` (4 bytes per logit: the
-  bf16 logits and their fp32 copy are gone once the loss is computed) and, in its backward,
-  that output's gradient and the input's (8 more), and the head's inputs.
-- The peak is the fullest of four moments of the step, each summed by cause: the loss's
-  backward (every saved set, the log-softmax buffers, the weight copies still saved), the
-  forward's end (autocast's whole cache of copies, the bf16 logits), a block's backward (the
-  recomputed set beside the larger of what is left saved and the gradients made so far), and
-  the optimizer step (fp32 parameters, gradients, two moments and foreach AdamW's sqrt of the
-  second: 20 bytes per sharded parameter). Gradients exist while a microbatch runs only after
-  the step's first backward (``zero_grad(set_to_none=True)``), so with one microbatch and no
-  pipeline they are not beside the activations. Checked on one H200 (1.3B and Llama-3.2-1B,
-  no / full / selective / swap / two micro-steps): within 0.2% of the allocated peaks.
+  (``_pipeline.inflight``); the last stage keeps the fp32 log-softmax of
+  ``F.cross_entropy(logits.float())`` (4 bytes per logit: the bf16 logits and their fp32 copy
+  are gone once the loss is computed) and, in its backward, that output's gradient and the
+  input's (8 more), and the head's inputs (the final norm's, with its rstd, and the output
+  projection's). A block's backward is fullest in its SwiGLU's backward: the block's whole set
+  (recomputed, where it kept less: its kept part is not made twice) and
+  ``_layers.backward_transient`` (the gradients of the block's output, w2's input and the
+  SwiGLU's two inputs, less the product w2's weight gradient consumed), with w2's weight
+  gradient made. The rotary tables (fp32 cos and sin of the rank's positions) stay all along.
+- The peak is the fullest of the step's moments, each summed by cause: the loss's backward
+  (every saved set, the log-softmax buffers, the weight copies still saved), the forward's
+  end (autocast's whole cache of copies, the logits), a block's backward (the first, the
+  second-to-last, the last: the saved sets of the blocks left, the FSDP buffers and gradients
+  of the blocks done) and the backward's end (every block's gradients), under a pipeline also
+  its last backward (one microbatch, every send held), RESHARD and the outputs'
+  concatenation, and the optimizer step (fp32 parameters, gradients, two moments and foreach
+  AdamW's sqrt of the second: 20 bytes per sharded parameter). Gradients exist while a
+  microbatch runs only after the step's first backward (``zero_grad(set_to_none=True)``), so
+  with one microbatch and no pipeline they are not beside the activations. Checked on one
+  H200 (1.3B and Llama-3.2-1B, no / full / selective / swap / two micro-steps): within 0.4% of
+  the allocated peaks; against ``hp-plan dry-run`` on 4 CPU ranks (benchmarks/RESULTS.md) and
+  a fake 8-rank Llama 3 8B (no / full recomputation): within 1.6%.
 - Without FSDP (autocast): the residual stream is fp32, each projection saves its own bf16
   copy of its norm's output, every matmul saves its weight's bf16 copy (the embedding's
   lookup casts nothing); a checkpointed block saves none, the output projection its own.
@@ -84,6 +103,7 @@ _RS = 4  # bytes per gradient value reduced (mixed_precision_reduce = float32)
 _STATE = 16  # fp32 parameter, gradient and two AdamW moments per sharded parameter
 _OPT_BYTES = 32  # AdamW + clipping traffic per sharded parameter
 _ADAM_TEMP = 4  # foreach AdamW's fp32 sqrt(exp_avg_sq) of every parameter, during the step
+_RSTD = 4  # fp32 reciprocal RMS per token an RMSNorm saves
 
 
 @dataclass(frozen=True)
@@ -131,7 +151,7 @@ class MemoryEstimate:
             ("FSDP gathered params/grads and buffers", self.fsdp_buffers),
             ("activations", self.activations),
             ("logits and loss", self.logits),
-            ("other (autocast / expert copies)", self.other),
+            ("other (autocast / expert copies, CP ring, rotary tables)", self.other),
         ]
 
 
@@ -357,11 +377,13 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b
 
 
-def _swapped_bytes(spec, kind, tokens: int, seq: int, tp: int, etp: int, ab: int, autocast: bool):
+def _swapped_bytes(
+    spec, kind, tokens: int, seq: int, tp: int, etp: int, ab: int, autocast: bool, norm=False
+):
     """Bytes hp_offload's SwapManager moves to the host for one block: what it saves without
     recomputation and, under autocast, each matmul's bf16 weight cast (saved for backward and
     not a leaf, so moved like an activation)."""
-    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast)
+    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast, norm)
     if autocast:
         w = L.work(spec, kind, tokens, seq, tp, etp, ab, autocast)
         saved += (w.matmul / (2 * tokens) + L.kind_params(spec, kind).experts / etp) * ab
@@ -386,7 +408,9 @@ def _swap_time(c: _Ctx, lo: int, hi: int, last: bool, head_s: float) -> float:
     for kind in set(kinds):
         scratch = _Acc()
         f, b = _block_time(c, kind, "none", scratch, 1)
-        moved = _swapped_bytes(spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast)
+        moved = _swapped_bytes(
+            spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast, c.gpu.decomposed_norm
+        )
         costs[kind] = LayerCost(int(moved), 0, f, b)
     _, extra = simulate(
         [costs[k] for k in kinds],
@@ -628,33 +652,41 @@ class Evaluator:
 
     def _saved_per_stage(self, layout, rank: _Rank, plan: Plan, tokens: int):
         """(mean saved bytes per microbatch over the rank's stages, the largest block's whole
-        set): NOTE [Saved activations]."""
+        set, the most a recomputed block adds to what it kept (its whole set less its kept
+        set), the largest backward transient of a block): NOTE [Saved activations]."""
         key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp, plan.fsdp)
         hit = self._saved.get(key)
         if hit is None:
             spec, ab = self.spec, self.ab
             ac = _autocast(plan, ab)
+            nx = self.gpu.decomposed_norm
             kept = "none" if plan.recompute == "swap" else plan.recompute
-            total = window = 0.0
-            seq = self.work.seq_len
+            total = window = fresh = transient = 0.0
+            seq, tp, etp = self.work.seq_len, plan.tp, plan.etp
             for s in rank.stages:
                 for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
+                    whole = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, ac, nx)
                     if plan.recompute == "swap":  # what the manager moves, casts included
-                        whole = _swapped_bytes(spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac)
+                        whole = _swapped_bytes(
+                            spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac, nx
+                        )
                         total += n * whole
                     else:
-                        total += n * L.saved_bytes(
-                            spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac
-                        )
-                        whole = L.saved_bytes(spec, kind, "none", tokens, plan.tp, plan.etp, ab, ac)
+                        mine = L.saved_bytes(spec, kind, kept, tokens, tp, etp, ab, ac, nx)
+                        total += n * mine
+                        fresh = max(fresh, whole - mine)
                     window = max(window, whole)
+                    transient = max(
+                        transient,
+                        L.backward_transient(spec, kind, tokens, plan.tp, plan.etp, ab, ac),
+                    )
                 if s == layout.n_stages - 1 and spec.mtp_layers:
                     kind = L.kind_of(spec, spec.n_layers - 1)
                     total += spec.mtp_layers * (
-                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac)
+                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac, nx)
                         + 4 * tokens * spec.dim * ab  # the two norms' inputs, the projection's
                     )
-            hit = self._saved[key] = (total / len(rank.stages), window)
+            hit = self._saved[key] = (total / len(rank.stages), window, fresh, transient)
         return hit
 
     # -- the estimate -------------------------------------------------------------------------
@@ -727,17 +759,22 @@ class Evaluator:
         return Estimate(plan, worst, t, tps, tps * self._flops / gpu.peak_flops, layout)
 
     def _memory(self, layout, rank: _Rank, plan: Plan, tokens: int, held: int) -> MemoryEstimate:
-        """The fullest of the step's phases (NOTE [What the trainer keeps]): the loss's
-        backward (or the forward's end), a block's backward, the optimizer step."""
+        """The fullest of the step's moments (NOTE [What the trainer keeps]): the loss's
+        backward, the forward's end, a block's backward (the first, the last two and the end
+        of the backward), a pipeline's RESHARD and the concatenation of its outputs, the
+        optimizer step."""
         spec, ab, mode = self.spec, self.ab, plan.recompute
         autocast = _autocast(plan, ab)
         stream = 4 if autocast else ab
+        m = plan.microbatches
+        pipelined = plan.pp > 1
+        v, d = spec.vocab_size, spec.dim
         everything = rank.blocks + rank.root
         shard = _sharded(everything, plan)
-        mean, window = self._saved_per_stage(layout, rank, plan, tokens)
+        mean, window, fresh, transient = self._saved_per_stage(layout, rank, plan, tokens)
         acts = held * mean
         host = 0.0
-        recomputed = 0.0  # the block being recomputed in backward
+        recomputed = 0.0  # what the block being recomputed in backward adds to its kept set
         loss_acts = acts
         if mode == "swap":  # every saved activation goes to pinned host memory
             host = acts
@@ -746,35 +783,42 @@ class Evaluator:
             loss_acts = min(acts, SWAP_WINDOW)
             acts = loss_acts + 2 * window
         elif mode in ("full", "selective"):
-            recomputed = window
-        # gradients exist while a microbatch runs only after the step's first backward
-        # (``zero_grad(set_to_none=True)`` ends every step)
-        early_grads = shard * 4 if (plan.microbatches > 1 or plan.pp > 1) else 0.0
-        logits = fwd_logits = 0.0
+            recomputed = fresh
+        # gradients while a microbatch runs: after the step's first backward (``zero_grad(
+        # set_to_none=True)`` ends every step), except under a pipeline with FSDP, which
+        # accumulates into the gathered stage's gradients and reduces only at RESHARD
+        if plan.fsdp and pipelined:
+            early_grads = 0.0
+        elif m > 1 or pipelined:
+            early_grads = shard * 4
+        else:
+            early_grads = 0.0
+        logits = fwd_logits = kept_out = 0.0
         if rank.last:
-            v, d = spec.vocab_size, spec.dim
-            keep = plan.microbatches if plan.schedule == "gpipe" else 1
+            keep = m if plan.schedule == "gpipe" else 1
             depths = 1 + spec.mtp_layers
-            # the final norm's input and the output projection's (gathered) input
-            head = depths * keep * tokens * (stream * d / plan.tp + ab * d)
+            # the final norm's input (a decomposed norm's fp32 copy and x * rstd) and rstd,
+            # sequence-sharded, and the output projection's (gathered) input
+            norm_in = L.DECOMPOSED_NORM if self.gpu.decomposed_norm else stream
+            head = depths * keep * tokens * ((norm_in * d + _RSTD) / plan.tp + ab * d)
             # F.cross_entropy(logits.float()): log_softmax keeps its fp32 output; its backward
             # adds that output's gradient and the input's (the bf16 logits and their fp32 copy
             # are gone once the loss is computed)
             logits = head + depths * keep * tokens * v * 4 + tokens * v * 8
-            fwd_logits = head + depths * tokens * v * ab  # the bf16 logits the forward returns
-            if plan.pp > 1:
+            if pipelined:
                 # hp_pipeline's last stage keeps every microbatch's (detached) logits under
-                # every schedule, and step() concatenates them at its end: twice that then
-                logits += 2 * plan.microbatches * tokens * v * ab
-        other = buffers = 0.0
-        copies = kept_copies = block_copies = 0.0
-        if plan.fsdp:
-            if plan.pp > 1:  # the whole stage gathered for the step, reduced at its end
-                u = _gathered(everything, plan)
-                buffers = max(2 * ab * u, (2 * ab + _RS) * u - acts - logits)
+                # every schedule: all m at its last microbatch's loss; step() concatenates them
+                # at its end (twice that then)
+                kept_out = m * tokens * v * ab
+                fwd_logits = head + kept_out + (depths - 1) * tokens * v * ab
             else:
-                block = max(_gathered(p, plan) for p in rank.kinds)
-                buffers = block * (3 * ab + 2 * _RS) + _gathered(rank.root, plan) * 2 * ab
+                fwd_logits = head + depths * tokens * v * ab  # the logits the forward returns
+        # the rotary tables (fp32 cos and sin of the rank's positions), held all along
+        rope = spec.qk_rope_head_dim if spec.kv_lora_rank else spec.head_dim
+        persistent = 2 * self.work.seq_len // plan.cp * rope * 4
+        other = persistent
+        copies = kept_copies = block_copies = saved_copies = 0.0
+        if plan.fsdp:
             if plan.ep > 1 and plan.etp > 1 and ab < 4:  # experts FSDP does not cast
                 c = rank.blocks.experts / _expert_shard(plan) * ab
                 other += c if mode != "full" else c / spec.n_layers
@@ -788,6 +832,7 @@ class Evaluator:
                 copies += output
             if mode == "none":  # every matmul saves its weight's copy
                 kept_copies = copies
+                saved_copies = copies - output  # the blocks' (each until its backward)
             elif mode == "swap":  # the blocks' saved copies went to the host with the rest
                 kept_copies = output
             else:  # checkpointed blocks save none: only the output projection's stays
@@ -799,27 +844,102 @@ class Evaluator:
                 for s in rank.stages
                 for k in L.layer_kinds(spec, *layout.ranges[s])
             )
-        steady = shard * 4 + shard * (_STATE - 8)
-        phases = {
-            # the loss's backward: every block's saved set, the log-softmax buffers
-            "loss": (early_grads, buffers, loss_acts, logits, other + kept_copies),
-            # the forward's end: autocast's whole cache, the bf16 logits
-            "forward": (early_grads, buffers, acts, fwd_logits, other + copies),
-            # a block's backward: the recomputed set (and its copies) beside what is left of
-            # the saved sets or the gradients made so far, whichever is more
-            "backward": (
-                (shard * 4, buffers, recomputed, 0.0, other + block_copies)
-                if shard * 4 > early_grads + acts
-                else (early_grads, buffers, acts + recomputed, 0.0, other + block_copies)
-            ),
-        }
-        name, (grads, bufs, act, lg, oth) = max(phases.items(), key=lambda kv: sum(kv[1]))
+        kinds = {k for s in rank.stages for k in L.layer_kinds(spec, *layout.ranges[s])}
+        n = sum(hi - lo for lo, hi in (layout.ranges[s] for s in rank.stages))
+        n += spec.mtp_layers if rank.last else 0
+        root_g = _gathered(rank.root, plan)
+        head_g = 0.0  # what the head's backward made before the blocks': its gradients
+        if rank.last:
+            head_g = _gathered(spec.head_params(), plan)
+            if spec.tie_word_embeddings:
+                head_g += spec.embedding_params() / plan.tp
+        block = max(_gathered(p, plan) for p in rank.kinds)
+        down = max(_gathered(L.down_params(spec, k), plan) for k in kinds)
+        # one block's backward, at its SwiGLU's: the block's saved set whole again (recomputed)
+        # and the gradients of NOTE [What the trainer keeps], less the sets of blocks done
+        working = recomputed + transient
+        phases = []
+        if pipelined:
+            # hp-pipeline's UNSHARD gathers the stage for the step: its parameters and their
+            # gradients stay until RESHARD reduces them all at once
+            u = _gathered(everything, plan)
+            bufs = 2 * ab * u if plan.fsdp else 0.0
+            sends = end_sends = all_sends = 0.0
+            if self.cluster.holds_sends:  # gloo: what hp-pipeline sent, until the step's end
+                xfer = tokens * d / plan.tp * stream
+                last_stage = layout.n_stages - 1
+                fwd = sum(1 for s in rank.stages if s != last_stage)  # stages sending forward
+                bwd = sum(1 for s in rank.stages if s != 0)  # stages sending gradients back
+                if rank.stages == (last_stage,):  # its fullest: its last microbatches' loss,
+                    sends = (m - held) * xfer  # the earlier ones' input gradients sent
+                else:  # at the first backward: each microbatch-stage in flight was sent on
+                    sends = held * fwd / len(rank.stages) * xfer
+                end_sends = (fwd * m + bwd * (m - 1)) * xfer
+                all_sends = (fwd + bwd) * m * xfer
+            one = (mean if mode != "swap" else 2 * window) + working
+            lost, lost_loss = other + block_copies, other + kept_copies
+            phases += [
+                ("loss", early_grads, bufs, loss_acts + sends, logits + kept_out, lost_loss),
+                ("forward", early_grads, bufs, acts + sends, fwd_logits, other + copies),
+                ("backward", early_grads, bufs, acts + working + sends, kept_out, lost),
+                # the step's last backward: one microbatch left, every send of the step held
+                ("backward", early_grads, bufs, one + end_sends, kept_out, lost),
+                # step()'s concatenation of the kept logits, after RESHARD
+                ("backward", shard * 4, 0.0, 0.0, 2 * kept_out, other),
+            ]
+            if plan.fsdp:  # RESHARD: every group's fp32 reduce-scatter output; the inputs of
+                # the group being packed and of the one before it (let go once it is reduced)
+                group = max([_gathered(p, plan) for p in rank.kinds] + [_gathered(rank.root, plan)])
+                reshard = 2 * ab * u + 2 * group * _RS + shard * _RS
+                phases.append(("backward", 0.0, reshard, all_sends, kept_out, other))
+        else:
+            # FSDP reshards each block after its forward; the root stays gathered for the
+            # backward (no gradient exists yet at the loss)
+            fw_bufs = root_g * ab if plan.fsdp else 0.0
+            phases += [
+                # the loss's backward: every block's saved set, the log-softmax buffers
+                ("loss", early_grads, fw_bufs, loss_acts, logits, other + kept_copies),
+                # the forward's end: autocast's whole cache, the logits
+                ("forward", early_grads, fw_bufs, acts, fwd_logits, other + copies),
+            ]
+            if plan.fsdp:  # each reduce-scatter's fp32 output (the shard), until the backward's
+                # end; its input (the block's packed gradients) only until the next one starts
+                made = _sharded(rank.blocks, plan) * _RS
+                packed = block * _RS
+            else:  # the fp32 gradients of the blocks done
+                made = _sharded(rank.blocks, plan) * 4
+                packed = 0.0
+            # the first block's backward, the second-to-last's (the last with a block
+            # prefetched), the last's, the backward's end (every block's gradients made)
+            for k in sorted({0, max(n - 2, 0), n - 1, n}):
+                done, left = k / n, (n - k) / n
+                if k == n:
+                    act, oth = 0.0, other
+                    if plan.fsdp:  # the root's parameters, gradients and packed gradients,
+                        # the last block's packed gradients, every block's reduced shard
+                        grads, bufs = early_grads, 2 * root_g * ab + made + packed + root_g * _RS
+                    else:
+                        grads, bufs = shard * 4, 0.0
+                else:
+                    act = (left * acts if mode != "swap" else acts) + working
+                    oth = other + block_copies + left * saved_copies
+                    if plan.fsdp:  # this block and the next (prefetched) gathered, its
+                        # down projection's gradient, the root's parameters, the head's
+                        # gradients
+                        gathered = block * (2 if k < n - 1 else 1) + down + root_g + head_g
+                        grads = early_grads
+                        bufs = gathered * ab + done * made + (packed if k > 0 else 0.0)
+                    else:
+                        grads = max(early_grads, done * made + (head_g + down) * 4)
+                        bufs = 0.0
+                phases.append(("backward", grads, bufs, act, 0.0, oth))
+        name, grads, bufs, act, lg, oth = max(phases, key=lambda p: sum(p[1:]))
         opt = shard * (_STATE - 8)
         params = shard * 4
         # the optimizer step: foreach AdamW's sqrt of the second moments is one more fp32
         # copy of every parameter (torch's _multi_tensor_adam), with gradients all there
-        if steady + shard * 8 >= steady + grads + bufs + act + lg + oth:
-            name, grads, bufs, act, lg, oth = "optimizer", shard * 4, 0.0, 0.0, 0.0, 0.0
+        if shard * 8 + persistent >= grads + bufs + act + lg + oth:
+            name, grads, bufs, act, lg, oth = "optimizer", shard * 4, 0.0, 0.0, 0.0, persistent
             opt += shard * _ADAM_TEMP
         return MemoryEstimate(
             rank=rank.stages[0] % max(plan.pp, 1),

@@ -68,6 +68,11 @@ def _number(doc: dict, section: str, key: str, where: str, error, *, low=0.0, st
 
 # -- GPU calibration ------------------------------------------------------------------------------
 
+#: what ``F.rms_norm`` can run as (``GpuCalibration.rms_norm``)
+_RMS_NORMS = ("fused", "decomposed")
+#: communication backends a cluster file may name (``Cluster.backend``)
+_BACKENDS = ("nccl", "gloo")
+
 
 @dataclass(frozen=True)
 class GpuCalibration:
@@ -110,6 +115,18 @@ class GpuCalibration:
     #: adds, the loss; NOTE [Element-wise traffic] in ``_layers``); None: ``memory_bandwidth``
     #: (the file has no ``rates.elementwise_gbps``)
     elementwise_bandwidth: float | None = None
+    #: what ``F.rms_norm`` runs on this device (``gpu.rms_norm``): ``"fused"`` (CUDA's kernel,
+    #: which saves its input and an fp32 rstd for backward) or ``"decomposed"`` (the CPU's
+    #: composite of a cast to fp32, pow / mean / rsqrt and two muls, which saves its input in
+    #: fp32 and also the normalised fp32 ``x * rstd``)
+    rms_norm: str = "fused"
+
+    @property
+    def decomposed_norm(self) -> bool:
+        """Whether ``F.rms_norm`` is torch's composite here (``rms_norm = "decomposed"``):
+        it saves its input upcast to fp32 and the fp32 ``x * rstd`` (NOTE [Saved activations]
+        in ``_layers``)."""
+        return self.rms_norm == "decomposed"
 
     @property
     def act_bytes(self) -> int:
@@ -135,6 +152,9 @@ class GpuCalibration:
         if dtype not in ("bfloat16", "float16", "float32"):
             raise e(f"{where}: gpu.compute_dtype = {dtype!r}: use bfloat16, float16 or float32")
         frag = num("memory", "fragmentation", low=1.0, strict=False)
+        norm = gpu.get("rms_norm", "fused")
+        if norm not in _RMS_NORMS:
+            raise e(f"{where}: gpu.rms_norm = {norm!r}: use one of {list(_RMS_NORMS)}")
         return cls(
             name=name,
             memory=num("gpu", "memory_gib") * GIB,
@@ -166,6 +186,7 @@ class GpuCalibration:
                 if "elementwise_gbps" in (doc.get("rates") or {})
                 else None
             ),
+            rms_norm=norm,
         )
 
     @property
@@ -255,6 +276,15 @@ class Cluster:
     gpus_per_node: int
     intra: Link
     inter: Link
+    #: the process group's backend (``cluster.backend``): ``"nccl"`` or ``"gloo"``
+    backend: str = "nccl"
+
+    @property
+    def holds_sends(self) -> bool:
+        """Whether a point-to-point send's work reports completion only once waited (gloo's
+        does; NCCL's once the transfer is done): hp-pipeline then lets go of what it sent only
+        at the end of the step, not at the next compute step."""
+        return self.backend == "gloo"
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Cluster:
@@ -271,6 +301,11 @@ class Cluster:
         g = table["gpus_per_node"]
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ClusterFileError(f"{where}: cluster.gpus_per_node = {g!r} must be an int >= 1")
+        backend = table.get("backend", "nccl")
+        if backend not in _BACKENDS:
+            raise ClusterFileError(
+                f"{where}: cluster.backend = {backend!r}: use one of {list(_BACKENDS)}"
+            )
         links = {}
         for section in ("intra_node", "inter_node"):
             latency = _number(
@@ -311,6 +346,7 @@ class Cluster:
             gpus_per_node=g,
             intra=links["intra_node"],
             inter=links["inter_node"],
+            backend=backend,
         )
 
     # -- placement ----------------------------------------------------------------------------

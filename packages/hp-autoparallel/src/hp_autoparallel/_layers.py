@@ -28,7 +28,12 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
   among hp-offload's saved ops, so a MoE's experts are recomputed;
 - ``full`` keeps the checkpoint input only; both recompute one block at a time in backward,
   when that block's whole set is alive again.
-- each RMSNorm (CUDA's fused kernel) saves its input and an fp32 rstd per token;
+- each RMSNorm (CUDA's fused kernel) saves its input and an fp32 rstd per token; where
+  ``F.rms_norm`` is torch's composite (the CPU's, ``GpuCalibration.rms_norm =
+  "decomposed"``) it saves its input cast to fp32 (the input itself when fp32) and the fp32
+  ``x * rstd`` for the weight's multiply: ``DECOMPOSED_NORM - b`` more bytes per element of
+  a ``b``-byte input (the block's two norms, Qwen3's q/k norms, MLA's latent norms, the final
+  norm);
 - under autocast without FSDP (fp32 parameters) the block's input and the ffn norm's input
   are fp32 and every projection reading a norm's output saves its own bf16 cast of it (q, k,
   v: three; w1, w3: two); ``tests/unit/test_saved_measured.py`` checks the dense block's bytes
@@ -79,7 +84,10 @@ from ._spec import ModelSpec
 
 __all__ = [
     "LayerWork",
+    "DECOMPOSED_NORM",
+    "backward_transient",
     "block_elementwise",
+    "down_params",
     "flops_per_token",
     "embedding_elementwise",
     "head_elementwise",
@@ -222,10 +230,17 @@ def saved_bytes(
     etp: int,
     ab: int,
     autocast: bool = False,
+    decomposed_norm: bool = False,
 ) -> float:
     """Bytes one block of ``kind`` keeps from its forward to its backward, per microbatch of
     ``tokens`` tokens, under ``mode`` (``"none"``, ``"selective"``, ``"full"``; swap keeps
     what ``"none"`` does, on the host).
+
+    ``decomposed_norm``: ``F.rms_norm`` is torch's composite (the CPU's;
+    ``GpuCalibration.decomposed_norm``), which saves its input cast to fp32 (in place of the
+    input) and the fp32 ``x * rstd`` (for the weight's multiply) beside the rstd: ``8 - b``
+    more bytes per normalised element than the fused kernel, for an input of ``b`` bytes; for
+    the block's two norms, Qwen3's q/k norms and MLA's latent norms, when they are saved.
 
     ``autocast``: the trainer without FSDP (fp32 parameters under ``torch.autocast``): the
     residual stream is fp32 (the embedding's output is, and ``fp32 + bf16`` adds are), so the
@@ -246,10 +261,63 @@ def saved_bytes(
         extra += (stream - ab) * d / tp
     else:
         extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
+        if decomposed_norm:
+            block, inner = _normalised(spec, mixer, tp)
+            extra += (DECOMPOSED_NORM - stream) * block + (DECOMPOSED_NORM - ab) * inner
         if autocast:
             pa, pf = _projections(spec, mixer, moe)
             extra += (pa - 1 + pf - 1) * ab * d  # one cast copy per projection
     return tokens * (n * ab + extra)
+
+
+#: bytes per normalised element torch's composite ``F.rms_norm`` saves beside its rstd: its
+#: input cast to fp32 and the fp32 ``x * rstd`` (the fused kernel saves the input as it is)
+DECOMPOSED_NORM = 8
+
+
+def _normalised(spec: ModelSpec, mixer: str, tp: int) -> tuple[float, float]:
+    """Elements per token the RMSNorms of one block normalise: the two block norms on the
+    residual stream (sequence-sharded); the norms inside the mixer on its activations (Qwen3's
+    q/k norms on the rank's heads, MLA's query and key/value latent norms, whole on each tp
+    rank)."""
+    inner = 0.0
+    if mixer in ("attention", "gated_attention") and spec.qk_norm:
+        inner += (spec.n_heads + spec.n_kv_heads) * spec.head_dim / tp
+    if mixer == "mla":
+        inner += spec.kv_lora_rank + (spec.q_lora_rank or 0)
+    return 2 * spec.dim / tp, inner
+
+
+@lru_cache(maxsize=4096)
+def backward_transient(
+    spec: ModelSpec,
+    kind: tuple[str, bool],
+    tokens: int,
+    tp: int,
+    etp: int,
+    ab: int,
+    autocast: bool = False,
+) -> float:
+    """Bytes one block's backward holds beyond its saved set at its fullest, in the
+    feed-forward's SwiGLU backward (``silu(a) * b``): the gradient of the block's output (the
+    residual stream's dtype, sequence-sharded), w2's input gradient and the gradients of ``a``
+    and ``b``, less the product itself (w2's weight gradient, the only reader, has run). A MoE
+    block's routed experts do the same on their ``top_k`` rows per token."""
+    _, moe = kind
+    stream = 4 if autocast else ab
+    width = spec.top_k * spec.expert_hidden / etp if moe else spec.ffn_hidden / tp
+    return tokens * (spec.dim / tp * stream + 2 * width * ab)
+
+
+def down_params(spec: ModelSpec, kind: tuple[str, bool]):
+    """The feed-forward's output projection(s) of one block of ``kind`` (a third of its
+    SwiGLU weights, routed experts and shared ones alike): the first weight gradients its
+    backward makes."""
+    from ._spec import LayerParams
+
+    fp = spec.ffn_params(kind_layer(spec, kind))
+    shared = spec.dim * spec.shared_hidden if kind[1] else 0
+    return LayerParams(fp.tp // 3, shared, fp.experts // 3)
 
 
 _NORM_STAT = 4  # fp32 rstd per token a fused RMSNorm writes (forward) and reads (backward)

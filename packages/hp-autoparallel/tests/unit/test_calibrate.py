@@ -48,6 +48,7 @@ def test_quick_file_loads_and_every_field_is_positive(written, capsys):
     cal = GpuCalibration.from_toml(written)
     assert load_gpu(str(written)) == cal
     assert cal.name == "cpu" and cal.compute_dtype == "float32"
+    assert cal.rms_norm == "decomposed"  # torch's composite F.rms_norm on the CPU
     doc = tomllib.loads(written.read_text())
     shipped = tomllib.loads(
         resources.files("hp_autoparallel").joinpath("data/gpus/h200.toml").read_text()

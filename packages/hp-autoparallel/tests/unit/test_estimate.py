@@ -45,6 +45,8 @@ P = 8_030_261_248  # parameters (test_spec checks the count against hp-trainer's
 BLOCK = 218_103_808 + 2 * D  # projections and the two norms
 ROOT = V * D + V * D + D  # embedding, output, final norm
 T = 4096  # tokens per microbatch: one sequence
+ROPE = 2 * 4096 * HD * 4  # the rotary tables: fp32 cos and sin of the 4096 positions
+HEAD = 2 * D + 4 + 2 * D  # per token: the final norm's input and rstd, the output's input
 
 
 def _acts_none(tp=1):
@@ -58,22 +60,30 @@ def test_memory_fsdp_by_hand():
     est = estimate(SPEC, Plan(1, 8, microbatches=4), WORK, GPU, CLUSTER)
     m = est.memory
     assert m.parameters == pytest.approx(P / 8 * 4)
-    # the peak is the last microbatch's loss backward: the earlier ones made the gradients
+    # the last micro-step's loss: the earlier ones made the gradients (fp32 shards), the root
+    # stays gathered (bf16) for the backward, every block's saved set and the loss's buffers
     assert m.phase == "loss"
     assert m.gradients == pytest.approx(P / 8 * 4)
     assert m.optimizer == pytest.approx(P / 8 * 8)
-    # the largest block gathered (bf16, twice: in use and prefetched), its bf16 gradients,
-    # two fp32 reduce-scatter buffers; the root kept gathered with its gradients
-    assert m.fsdp_buffers == pytest.approx(BLOCK * (2 * 2 + 2 + 2 * 4) + ROOT * 2 * 2)
+    assert m.fsdp_buffers == pytest.approx(ROOT * 2)
     assert m.activations == pytest.approx(L * T * _acts_none())
-    # the head's inputs and the fp32 log-softmax kept; in its backward, that output's gradient
-    # and the input's (fp32)
-    assert m.logits == pytest.approx(T * (V * 4 + 2 * D * 2) + T * V * 8)
-    assert m.other == 0
+    assert m.logits == pytest.approx(T * (V * 4 + HEAD) + T * V * 8)
+    assert m.other == ROPE
     assert m.allocated == pytest.approx(
-        m.parameters + m.gradients + m.optimizer + m.fsdp_buffers + m.activations + m.logits
+        m.parameters
+        + m.gradients
+        + m.optimizer
+        + m.fsdp_buffers
+        + m.activations
+        + m.logits
+        + m.other
     )
     assert m.peak == pytest.approx(m.allocated * 1.25 + GIB)
+    # the backward's end is less: every block's fp32 reduce-scatter output (its shard), the
+    # last block's input (its whole gradients: the earlier inputs were let go once reduced),
+    # the root's parameters and gradients (bf16) and its packed gradients (fp32)
+    end = L * BLOCK * 4 / 8 + BLOCK * 4 + ROOT * (2 * 2 + 4)
+    assert end < m.fsdp_buffers + m.activations + m.logits
 
 
 def test_fragmentation_and_reserve_come_from_the_calibration():
@@ -85,28 +95,75 @@ def test_fragmentation_and_reserve_come_from_the_calibration():
     assert a.peak == pytest.approx(1.25 * a.allocated + GIB)
 
 
+def test_memory_at_the_loss_by_hand():
+    # two micro-steps of 2 sequences: the loss's backward outweighs the backward's end
+    m = estimate(SPEC, Plan(1, 8, microbatches=2), WORK, GPU, CLUSTER).memory
+    t = 2 * T
+    assert m.phase == "loss"
+    assert m.gradients == pytest.approx(P / 8 * 4)  # the first micro-step's
+    # FSDP reshards each block after its forward: only the root stays gathered (bf16) for its
+    # backward, and no gradient exists yet
+    assert m.fsdp_buffers == pytest.approx(ROOT * 2)
+    assert m.activations == pytest.approx(L * t * _acts_none())
+    # the head's inputs and the fp32 log-softmax kept; in its backward, that output's gradient
+    # and the input's (fp32)
+    assert m.logits == pytest.approx(t * (V * 4 + HEAD) + t * V * 8)
+    assert m.other == ROPE
+
+
+def test_block_backward_by_hand():
+    # llama3-tiny (2 blocks, d 64, ffn 160, 4 heads / 2 kv of 16, vocab 256) under full
+    # recomputation: the peak is the backward of block 0, the last, at its SwiGLU's
+    tiny = model_spec("llama3-tiny")
+    d, f, v = 64, 160, 256
+    block = 2 * d * d + 2 * d * 32 + 3 * d * f + 2 * d
+    t = 2 * 256  # two sequences per rank
+    m = estimate(tiny, Plan(1, 4, recompute="full"), Workload(8, 256), GPU, CLUSTER).memory
+    assert m.phase == "backward" and m.gradients == 0
+    whole = t * ((d + d + 128 + 64 + 4 * 4 / 2) + (d + d + 4 * f)) * 2 + t * 2 * 4
+    # block 0's input (block 1's went with its backward); the block recomputed, whole but for
+    # its input (the kept one); the gradients of the block's output, of w2's input and of
+    # silu(a) * b's two inputs, less the product (w2's weight gradient, its only reader, ran)
+    assert m.activations == pytest.approx(t * d * 2 + whole - t * d * 2 + t * (d + 2 * f) * 2)
+    # the block gathered, w2's gradient, the root gathered (embedding, output, final norm) with
+    # the head's gradients (output projection, final norm); block 1's fp32 reduce-scatter
+    # input and output, which hp_fsdp holds until the backward's end: more than block 1's
+    # backward had (block 0 prefetched in bf16, one more block input)
+    root = 2 * v * d + d
+    assert m.fsdp_buffers == pytest.approx(
+        (block + f * d + root + v * d + d) * 2 + block * (4 + 4 / 4)
+    )
+    assert m.logits == 0
+
+
 def test_recompute_modes_by_hand():
     def acts(mode):
         return estimate(SPEC, Plan(1, 8, microbatches=4, recompute=mode), WORK, GPU, CLUSTER)
 
+    def memory(mode):  # one micro-step of 8 sequences per rank: the loss is the peak
+        return estimate(SPEC, Plan(1, 4, recompute=mode), WORK, GPU, CLUSTER).memory
+
     none, sel, full, swap = (acts(m) for m in ("none", "selective", "full", "swap"))
-    whole = T * _acts_none()
+    m_none, m_sel, m_full, m_swap = (memory(m) for m in ("none", "selective", "full", "swap"))
+    t = 8 * T
+    whole = t * _acts_none()
     # full: each block's input (the peak is the loss's backward, before any block is
     # recomputed: one block's whole set then is less than the loss's buffers)
-    assert full.memory.phase == "loss"
-    assert full.memory.activations == pytest.approx(L * T * D * 2)
-    assert whole < T * V * 8
+    assert m_full.phase == "loss"
+    assert m_full.activations == pytest.approx(L * t * D * 2)
+    assert whole < t * V * 8
     # selective: the input, q/k/v, wo's output (before its reduce-scatter), attention output
     # and log-sum-exp, w1 / w3 / w2 outputs
     kept = D + (H + 2 * KV) * HD + D + H * HD + H * 2 + 2 * F + D
-    assert sel.memory.activations == pytest.approx(L * T * kept * 2)
+    assert m_sel.phase == "loss"
+    assert m_sel.activations == pytest.approx(L * t * kept * 2)
     # swap: at the loss only the copies in flight, at most hp-offload's 1 GiB window (in
     # backward a restored block and the next one prefetched join it: less than the loss's
     # buffers here)
-    assert swap.memory.phase == "loss"
-    assert swap.memory.activations == pytest.approx(GIB)
-    assert 2 * whole < swap.memory.logits
-    assert none.memory.activations > sel.memory.activations > full.memory.activations
+    assert m_swap.phase == "loss"
+    assert m_swap.activations == pytest.approx(GIB)
+    assert 2 * whole < m_swap.logits
+    assert m_none.activations > m_sel.activations > m_full.activations
     # time: full recomputation runs each block's forward again
     mm = 2 * T * 218_103_808 / 1e15
     at = T * 4096 * H * 256 / 5e14
@@ -159,8 +216,11 @@ def test_tensor_parallel_comm_by_hand():
     # its backward's reduce-scatter, and the logits' gather over tp
     ends = 2 * x + 2 * x + 1 / 2 * T * V * 2 / 1e11
     assert est.time.tp_comm == pytest.approx(8 * (L * 8 * x + ends))
-    # tensor parallelism halves the projections' activations and their shards
-    assert est.memory.activations == pytest.approx(L * T * _acts_none(tp=2))
+    # tensor parallelism halves the projections' activations and their shards (at the loss:
+    # one micro-step of 8 sequences per rank)
+    m = estimate(SPEC, Plan(1, 4, tp=2), WORK, GPU, CLUSTER).memory
+    assert m.phase == "loss"
+    assert m.activations == pytest.approx(L * 8 * T * _acts_none(tp=2))
     assert est.memory.parameters == pytest.approx(
         (P - L * 2 * D - D) / 8 * 4 + (L * 2 + 1) * D / 4 * 4
     )
@@ -170,33 +230,54 @@ def test_pipeline_ranks_hold_their_in_flight_microbatches():
     plan = Plan(1, 4, pp=2, schedule="1f1b", microbatches=8)
     est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
     assert est.layout == StageLayout(((0, 17), (17, 32)), (0, 1))  # hp-trainer's split
-    # rank 0 holds 2 microbatches of its 17 blocks; rank 1 one of its 15, plus the logits,
-    # which make it the fullest
-    r1 = 15 * T * _acts_none()
-    assert est.memory.rank == 1 and est.memory.activations == pytest.approx(r1)
+    # rank 0 (the embedding and 17 blocks) is the fullest in its backward with 2 microbatches
+    # in flight: its stage gathered for the step (bf16 parameters and gradients), 2 x 17
+    # blocks' saved sets and one SwiGLU backward's gradients. Rank 1's RESHARD is less: its
+    # stage gathered, every group's fp32 reduce-scatter output (its shard) and the inputs of
+    # two groups (the group being packed and the one before; the head is the largest group),
+    # the 8 microbatches' logits it keeps
+    stage0 = 17 * BLOCK + V * D
+    m = est.memory
+    assert m.rank == 0 and m.phase == "backward" and m.logits == 0
+    assert m.fsdp_buffers == pytest.approx(stage0 * 2 * 2)
+    assert m.activations == pytest.approx(2 * 17 * T * _acts_none() + T * (D + 2 * F) * 2)
+    stage1 = 15 * BLOCK + V * D + D
+    reshard = stage1 * 2 * 2 + 2 * (V * D + D) * 4 + stage1 / 4 * 4 + 8 * T * V * 2
+    assert reshard < m.fsdp_buffers + m.activations
+    # with 2 microbatches of 4 sequences, rank 0 holds both for its 17 blocks at its first
+    # backward (its stage and their gradients gathered): it is the fullest
+    two = estimate(SPEC, dataclasses.replace(plan, microbatches=2), WORK, GPU, CLUSTER).memory
+    t = 4 * T
+    stage0 = 17 * BLOCK + V * D
+    assert two.rank == 0
+    assert two.fsdp_buffers == pytest.approx(stage0 * 2 * 2)
+    assert two.activations == pytest.approx(2 * 17 * t * _acts_none() + t * (D + 2 * F) * 2)
     gp = estimate(SPEC, dataclasses.replace(plan, schedule="gpipe"), WORK, GPU, CLUSTER)
     assert gp.memory.activations in (
         pytest.approx(8 * 17 * T * _acts_none()),
-        pytest.approx(8 * r1),
-    )
-    # the pipeline keeps each stage gathered for the step (bf16 parameters and gradients)
-    stage1 = 15 * BLOCK + V * D + D
-    assert est.memory.fsdp_buffers == pytest.approx(
-        max(stage1 * 4, stage1 * 8 - r1 - est.memory.logits)
+        pytest.approx(8 * 15 * T * _acts_none()),
     )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_last_stage_keeps_every_microbatchs_logits(schedule):
     # hp_pipeline stores each microbatch's detached logits on the last stage under every
-    # schedule and concatenates them at the end of step(): 2 x m x tokens x vocab x bf16
+    # schedule (all m of them by its last microbatch's loss, and at RESHARD) and concatenates
+    # them at the end of step() (2 x m x tokens x vocab x bf16 then, with nothing else left)
     m = 8
     plan = Plan(1, 4, pp=2, schedule=schedule, microbatches=m)
     est = estimate(SPEC, plan, WORK, GPU, CLUSTER)
-    keep = m if schedule == "gpipe" else 1
-    one = T * (V * 4 + 2 * D * 2)
-    assert est.memory.rank == 1
-    assert est.memory.logits == pytest.approx(keep * one + T * V * 8 + 2 * m * T * V * 2)
+    kept = m * T * V * 2
+    if schedule == "gpipe":  # every microbatch's head inputs and log-softmax at the loss
+        assert est.memory.rank == 1
+        assert est.memory.phase == "loss"
+        assert est.memory.logits == pytest.approx(m * T * (V * 4 + HEAD) + T * V * 8 + kept)
+    else:  # here rank 0's backward outweighs rank 1 (test_pipeline_ranks_hold_...); with 4
+        # blocks (2 per stage) rank 1 is the fullest, at its last loss: the kept logits too
+        spec = dataclasses.replace(SPEC, n_layers=4)
+        one = estimate(spec, plan, WORK, GPU, CLUSTER).memory
+        assert one.rank == 1
+        assert one.logits == pytest.approx(T * (V * 4 + HEAD) + T * V * 8 + kept)
 
 
 def _acts_autocast():
@@ -214,17 +295,19 @@ def test_autocast_without_fsdp_keeps_fp32_stream_and_weight_copies():
     none = estimate(SPEC, Plan(1, 1, recompute="none"), work, GPU, CLUSTER).memory
     assert none.phase == "loss" and none.gradients == 0  # set_to_none: none yet
     assert none.activations == pytest.approx(L * t * _acts_autocast())
-    # every matmul saves its weight's bf16 copy (all but the embedding's lookup)
-    assert none.other == pytest.approx((P - V * D) * 2)
-    # the final norm's fp32 input, the output's bf16 input, log-softmax and its backward
-    assert none.logits == pytest.approx(t * (D * 4 + D * 2) + t * V * 12)
+    # every matmul saves its weight's bf16 copy (all but the embedding's lookup); the rotary
+    # tables
+    assert none.other == pytest.approx((P - V * D) * 2 + ROPE)
+    # the final norm's fp32 input and rstd, the output's bf16 input, log-softmax and its
+    # backward
+    assert none.logits == pytest.approx(t * (D * 4 + 4 + D * 2) + t * V * 12)
     # full: the fp32 block inputs; the forward's cache is gone at the loss, but the output
     # projection saved its copy (16 sequences, so that the loss outweighs the optimizer step)
     big = Workload(16, 4096)
     full = estimate(SPEC, Plan(1, 1, recompute="full"), big, GPU, CLUSTER).memory
     assert full.phase == "loss"
     assert full.activations == pytest.approx(L * 4 * t * D * 4)
-    assert full.other == pytest.approx(V * D * 2)
+    assert full.other == pytest.approx(V * D * 2 + ROPE)
 
 
 def test_optimizer_step_can_be_the_peak():
@@ -233,8 +316,8 @@ def test_optimizer_step_can_be_the_peak():
     est = estimate(SPEC, Plan(1, 1, microbatches=4, recompute="full"), work, GPU, CLUSTER)
     m = est.memory
     assert m.phase == "optimizer"
-    assert m.allocated == pytest.approx(P * 20)
-    assert m.activations == m.logits == m.other == 0
+    assert m.allocated == pytest.approx(P * 20 + ROPE)  # and the rotary tables
+    assert m.activations == m.logits == 0
 
 
 def test_shipped_h200_prediction_is_sane():

@@ -106,6 +106,27 @@ def test_calibration_missing_field_is_named(tmp_path):
         GpuCalibration.from_toml(path)
 
 
+def test_kernel_and_backend_fields(tmp_path):
+    # what F.rms_norm runs (CUDA's fused kernel, the CPU's composite) and the cluster's backend
+    assert load_gpu("h200").rms_norm == "fused" and not load_gpu("h200").decomposed_norm
+    assert load_gpu("cpu").rms_norm == "decomposed" and load_gpu("cpu").decomposed_norm
+    assert load_cluster("cpu").backend == "gloo" and load_cluster("cpu").holds_sends
+    assert load_cluster("h200").backend == "nccl" and not load_cluster("h200").holds_sends
+    assert _cluster(tmp_path).backend == "nccl"  # the default
+    with pytest.raises(ClusterFileError, match="cluster.backend = 'mpi'"):
+        _cluster(
+            tmp_path, CLUSTER.replace("gpus_per_node = 8", 'gpus_per_node = 8\nbackend = "mpi"')
+        )
+    with open(_shipped("h200")) as f:
+        text = f.read()
+    path = tmp_path / "gpu.toml"
+    path.write_text(
+        text.replace('compute_dtype = "bfloat16"', 'compute_dtype = "bfloat16"\nrms_norm = "x"')
+    )
+    with pytest.raises(CalibrationError, match="gpu.rms_norm = 'x'"):
+        GpuCalibration.from_toml(path)
+
+
 def _shipped(kind: str) -> str:
     from importlib import resources
 
