@@ -1,7 +1,8 @@
 """LLMTrainer on 4 CPU ranks: FSDP 2 x TP 2 (also with async TP), HSDP 2 x 2 (with the fused
 output projection and loss), PP 2 x FSDP 2
 (1F1B, activation checkpointing), PP 2 x TP 2 (GPipe) and context parallelism (CP 2 x FSDP 2
-ring, CP 2 x TP 2 all-gather, CP 4 Ulysses, PP 2 x CP 2; activation checkpointing under CP;
+ring, CP 2 x TP 2 all-gather, CP 4 Ulysses, PP 2 x CP 2, Qwen3.5 under CP 2 x FSDP 2; activation
+checkpointing under CP;
 FSDP 4 with CPU offload and a swap / selective-recomputation plan) give the one-process losses
 (within 1e-4) with accumulation, clipping and the LR schedule in the loop; async TP runs
 hp-kernels' MC2; a run killed after a checkpoint resumes with the uninterrupted run's losses;
@@ -97,6 +98,24 @@ def test_losses_match_one_process(pool, tmp_path, reference, layout):
     assert reference[-1] < reference[0] - 0.3
     for got in pool.run(_losses, str(tmp_path / "run"), PAR[layout]):
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=0)
+
+
+def test_qwen3_5_under_context_parallelism_matches_one_process(pool, tmp_path):
+    """Qwen3.5 (Gated DeltaNet and gated attention) in the trainer, fp32, CP 2 (ring) x FSDP
+    2: the Gated DeltaNet layers take their conv halo and recurrent state from the previous
+    rank, and the losses are the one-process ones, with accumulation, clipping and the LR
+    schedule in the loop."""
+    qwen = ["--model.name", "qwen3.5-tiny"]
+    ref = _losses(str(tmp_path / "one"), qwen)
+    assert ref[-1] < ref[0] - 0.3
+    cp = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ]
+    for got in pool.run(_losses, str(tmp_path / "cp"), [*qwen, *cp]):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
 
 
 def test_kill_and_resume(pool, tmp_path):
