@@ -11,8 +11,10 @@ then, in one launch:
 - the prediction: ``hp_autoparallel.estimate`` with the shipped ``cpu`` calibration.
 
 It prints, per configuration, the fullest rank's real peak, the dry run's (rank by rank the
-largest difference too) and the prediction, with their errors. Targets: the dry run within 3%
-of the real run on every rank; the prediction within 5% of the fullest real rank.
+largest difference too) and the prediction, with their errors, and the real step time (the
+median of 5 ``dry_step`` calls between barriers, after the memory steps) beside the
+predicted one. Targets: the dry run within 3% of the real run on every rank; the prediction
+within 5% of the fullest real rank and 15% of the step time.
 
     python benchmarks/autoparallel/dry_run_cpu.py [--only NAME] [--out results.json]
 """
@@ -22,15 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 DRY_TARGET = 3.0  # percent
 MEMORY_TARGET = 5.0  # percent
+TIME_TARGET = 15.0  # percent
 WORLD = 4
+TIMED_STEPS = 5  # the median of these, after the memory steps
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,8 @@ def plan_of(case: Case):
     return plan, Workload(case.batch, case.seq)
 
 
-def write_toml(case: Case, folder: Path) -> tuple[Path, float]:
-    """The planner's TOML of ``case`` and its predicted allocated bytes."""
+def write_toml(case: Case, folder: Path) -> tuple[Path, float, float]:
+    """The planner's TOML of ``case``, its predicted allocated bytes and step seconds."""
     from hp_autoparallel import estimate, load_cluster, load_gpu, model_spec, train_config
 
     plan, work = plan_of(case)
@@ -94,7 +100,7 @@ def write_toml(case: Case, folder: Path) -> tuple[Path, float]:
     )
     path = folder / f"{case.name}.toml"
     path.write_text(text)
-    return path, est.memory.allocated
+    return path, est.memory.allocated, est.time.total
 
 
 def _real_rank(toml: str, dump: str) -> dict:
@@ -114,7 +120,19 @@ def _real_rank(toml: str, dump: str) -> dict:
         ],
     )
     trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg), measured_steps=3)
-    return {"rank": dist.get_rank(), "peak_bytes": peak, "by_kind": by_kind}
+    times = []  # then the step's time, without the tracker: every rank starts together
+    for _ in range(TIMED_STEPS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.dry_step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return {
+        "rank": dist.get_rank(),
+        "peak_bytes": peak,
+        "by_kind": by_kind,
+        "step_s": statistics.median(times),
+    }
 
 
 def real_run(toml: Path, folder: Path) -> dict[int, dict]:
@@ -157,7 +175,7 @@ def dry_run(toml: Path, folder: Path) -> dict:
 
 def check(case: Case, folder: Path) -> dict:
     """Real, dry and predicted for ``case``."""
-    toml, predicted = write_toml(case, folder)
+    toml, predicted, predicted_s = write_toml(case, folder)
     real = real_run(toml, folder)
     dry = dry_run(toml, folder)
     per_rank = []
@@ -165,6 +183,7 @@ def check(case: Case, folder: Path) -> dict:
         m = real[r["rank"]]["peak_bytes"]
         per_rank.append(100.0 * (r["peak_bytes"] - m) / m)
     real_max = max(r["peak_bytes"] for r in real.values())
+    step_s = max(r["step_s"] for r in real.values())  # (the ranks wait for each other)
     return {
         "config": case.name,
         "model": case.model,
@@ -179,6 +198,9 @@ def check(case: Case, folder: Path) -> dict:
         "real_max_bytes": real_max,
         "dry_max_bytes": dry["peak_bytes"],
         "dry_elapsed_s": dry["elapsed_s"],
+        "step_ms": step_s * 1e3,
+        "predicted_ms": predicted_s * 1e3,
+        "time_err_pct": 100.0 * (predicted_s - step_s) / step_s,
     }
 
 
@@ -187,18 +209,21 @@ def table(rows: list[dict]) -> str:
     mib = 2**20
     head = (
         f"{'config':<16} {'plan':<34} {'real MiB':>9} {'dry MiB':>9} {'dry err':>8} "
-        f"{'pred MiB':>9} {'pred err':>9}  ok"
+        f"{'pred MiB':>9} {'pred err':>9} {'step ms':>8} {'pred ms':>8} {'err':>7}  ok"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         ok = [
             "dry" if abs(r["dry_worst_pct"]) <= DRY_TARGET else "DRY!",
             "mem" if abs(r["predicted_err_pct"]) <= MEMORY_TARGET else "MEM!",
+            "time" if abs(r["time_err_pct"]) <= TIME_TARGET else "TIME!",
         ]
         lines.append(
             f"{r['config']:<16} {r['plan']:<34} {r['real_max_bytes'] / mib:>9.2f} "
             f"{r['dry_max_bytes'] / mib:>9.2f} {r['dry_worst_pct']:>+7.2f}% "
-            f"{r['predicted_bytes'] / mib:>9.2f} {r['predicted_err_pct']:>+8.1f}%  {' '.join(ok)}"
+            f"{r['predicted_bytes'] / mib:>9.2f} {r['predicted_err_pct']:>+8.1f}% "
+            f"{r['step_ms']:>8.1f} {r['predicted_ms']:>8.1f} {r['time_err_pct']:>+6.1f}%  "
+            f"{' '.join(ok)}"
         )
     return "\n".join(lines)
 
@@ -219,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{case.name}: real {r['real_max_bytes'] / 2**20:.2f} MiB, dry "
                 f"{r['dry_worst_pct']:+.2f}% (worst rank), predicted "
-                f"{r['predicted_err_pct']:+.1f}%",
+                f"{r['predicted_err_pct']:+.1f}%; step {r['step_ms']:.1f} ms, predicted "
+                f"{r['time_err_pct']:+.1f}%",
                 flush=True,
             )
     print()
