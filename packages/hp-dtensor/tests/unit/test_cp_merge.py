@@ -45,3 +45,21 @@ def test_fake_tensors_merge_eagerly(monkeypatch):
         out = torch.empty(1, 2, 4, 8)
         assert ctxp._merge_fn(out) is ctxp._merge_rows
     assert ctxp._merge_fn(torch.empty(1)) is ctxp._compiled_merge()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compiled_merge_equals_eager_and_fake_cuda_tensors_run_eagerly():
+    """On a GPU host: CUDA tensors take the compiled merge, with eager's values; fake CUDA
+    tensors (a dry run on that host) take the eager one and run through it."""
+    out, lse, o, lb, lo, hi = (t.cuda() if torch.is_tensor(t) else t for t in _case(torch.float32))
+    want_out, want_lse = out.clone(), lse.clone()
+    ctxp._merge_rows(want_out[:, :, lo:hi], want_lse[:, :, lo:hi], o, lb)
+    assert ctxp._merge_fn(out) is ctxp._compiled_merge()
+    ctxp._merge(out, lse, lo, hi, o, lb, first=False)
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    with FakeTensorMode() as mode:
+        f_out, f_lse, f_o, f_lb = (mode.from_tensor(t) for t in (out, lse, o, lb))
+        assert f_out.device.type == "cuda"
+        assert ctxp._merge_fn(f_out) is ctxp._merge_rows
+        ctxp._merge(f_out, f_lse, lo, hi, f_o, f_lb, first=False)  # shapes only: no error
