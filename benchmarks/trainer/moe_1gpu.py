@@ -138,6 +138,8 @@ def main() -> int:
         "they are left eager, as ours were before they became shape-stable)",
     )
     args = ap.parse_args()
+    if not args.compile and (args.compile_mode != "default" or args.hf_compile_moe):
+        ap.error("--compile-mode and --hf-compile-moe set how --compile compiles: add --compile")
     import transformers
 
     dev = torch.device(args.device)

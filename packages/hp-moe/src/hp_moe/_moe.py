@@ -288,6 +288,11 @@ def hoist_recompute_check(fn, module: nn.Module):
     for forwards and one for recomputations). The previous values are put back after the
     call, so wrapped regions nest; a MoE layer called outside the wrapper checks for itself.
 
+    The bool is an attribute of the layers, not per thread: do not run the wrapped region on
+    two threads at once (hp-pipeline's ``threaded_b_f`` would). A layer with an auxiliary loss
+    should stay out of the compiled region (``torch.compiler.disable`` its forward, as
+    hp-trainer's ``apply_compile`` does): the loss reads more of autograd's state.
+
     Example::
 
         block.forward = hoist_recompute_check(torch.compile(block.forward), block)

@@ -114,7 +114,7 @@ class ParallelizeConfig:
     seq_len: int | None = None
     compile: bool = False
     #: ``torch.compile``'s mode for the blocks (``config.COMPILE_MODES``); the CUDA-graph modes
-    #: on one process only
+    #: on one process without activation checkpointing only
     compile_mode: str = "default"
 
 
@@ -636,24 +636,29 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
     activation checkpointing stay outside the compiled region (checkpointing re-runs the
     compiled forward).
 
-    MoE layers without expert parallelism are compiled with their block: every tensor's shape
-    is then fixed by the batch (the grouped GEMMs read the per-expert counts on the device), so
-    the router, the permutation's gathers, the SwiGLU and the combine fuse with the block's
-    other kernels. Whether a forward is a recomputation (a MoE layer records its statistics on
-    the forward only) is read before the compiled call (``hp_moe.hoist_recompute_check``), not
-    in the graph. Where torch has no grouped GEMM for the operands the loop of matmuls is a
-    graph break (its row bounds are read on the host; never traced, so the routing does not
-    recompile it). A MoE layer whose experts are split over an
-    expert-parallel mesh stays eager: its all-to-alls size their buffers from the routing and
-    run collectives, and compiling those shapes recompiled the block at nearly every step
-    (21 graphs in 4 steps of the tiny DeepSeek-V3).
+    MoE layers without expert parallelism or an auxiliary loss are compiled with their block:
+    every tensor's shape is then fixed by the batch (the grouped GEMMs read the per-expert
+    counts on the device), so the router, the permutation's gathers, the SwiGLU and the combine
+    fuse with the block's other kernels. Whether a forward is a recomputation (a MoE layer
+    records its statistics on the forward only) is read before the compiled call
+    (``hp_moe.hoist_recompute_check``), not in the graph. Where torch has no grouped GEMM for
+    the operands the loop of matmuls is a graph break (its row bounds are read on the host;
+    never traced, so the routing does not recompile it). A MoE layer stays eager (a graph break
+    around it) when its experts are split over an expert-parallel mesh (its all-to-alls size
+    their buffers from the routing and run collectives; ``check_parallelize_config`` refuses
+    compile with ep > 1 today) or when it has an auxiliary loss: the loss reads whether a
+    recomputation is non-reentrant, which split the recomputed graph from the first one
+    (checkpointing then found other tensors saved), and the "global" loss's weights read a
+    buffer the step updates in place, which a compiled backward would read after the update.
 
     ``mode`` is ``torch.compile``'s (``config.COMPILE_MODES``)."""
     from hp_moe import LocalDispatcher, MoE, hoist_recompute_check
 
     for block in _blocks(model):
         for m in block.modules():
-            if isinstance(m, MoE) and not isinstance(m.experts.dispatcher, LocalDispatcher):
+            if isinstance(m, MoE) and (
+                not isinstance(m.experts.dispatcher, LocalDispatcher) or m.aux_loss_coeff > 0
+            ):
                 m.forward = torch.compiler.disable(m.forward)
         block.forward = hoist_recompute_check(torch.compile(block.forward, mode=mode), block)
 
@@ -739,7 +744,17 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
         if swapped:
             raise ConfigError(
                 "training.compile=true with swapped activations (activation_checkpoint swap) "
-                "is untested: use full or selective recomputation, or leave compile false"
+                "is untested: use full recomputation, or leave compile false"
+            )
+        recomputed = config.activation_checkpoint != "none" or any(
+            a != "none" for a in (config.activation_plan or {}).values()
+        )
+        if config.compile_mode in _CUDA_GRAPH_MODES and recomputed:
+            raise ConfigError(
+                f"training.compile_mode={config.compile_mode!r} captures CUDA graphs, whose "
+                "outputs the next replay overwrites; activation checkpointing re-runs the "
+                "blocks while their first outputs are still needed (a replay error on the "
+                "H200): leave activation_checkpoint none, or use compile_mode 'default'"
             )
     if not fsdp and config.reduce_dtype not in (None, torch.float32):
         raise ConfigError(

@@ -63,7 +63,8 @@ class Training:
     deterministic: bool = False
     compile: bool = False  # torch.compile each transformer block (one process or FSDP)
     # torch.compile's mode for the blocks: "default", "max-autotune-no-cudagraphs", or, on one
-    # process, "reduce-overhead" / "max-autotune" (CUDA graphs: the host's launch time goes)
+    # process without activation checkpointing, "reduce-overhead" / "max-autotune" (CUDA
+    # graphs: the host's launch time goes)
     compile_mode: str = "default"
     # the output projection and the loss fused over token chunks (models.linear_cross_entropy):
     # no [tokens, vocabulary] logits; one process or FSDP, without multi-token prediction
