@@ -746,6 +746,13 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 "training.compile=true with swapped activations (activation_checkpoint swap) "
                 "is untested: use full recomputation, or leave compile false"
             )
+        plan_actions = (config.activation_plan or {}).values()
+        if config.activation_checkpoint == "selective" or "selective" in plan_actions:
+            raise ConfigError(
+                "training.compile=true with selective recomputation fails in torch's "
+                "selective checkpoint (a tensor it cached is mutated by the compiled block): "
+                "use activation_checkpoint full, or leave compile false"
+            )
         recomputed = config.activation_checkpoint != "none" or any(
             a != "none" for a in (config.activation_plan or {}).values()
         )

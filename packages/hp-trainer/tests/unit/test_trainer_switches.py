@@ -188,6 +188,13 @@ def test_compile_mode_is_honoured_or_refused(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError, match="captures CUDA graphs.*activation checkpointing"):
         preflight(recomputed, 1)
+    for ac in (
+        ["--activation_checkpoint.mode", "selective"],
+        ["--activation_checkpoint.plan", "layers.0=selective"],
+    ):
+        selective = _cfg(tmp_path, 1, "--training.compile", "true", *ac)
+        with pytest.raises(ConfigError, match="compile=true with selective recomputation"):
+            preflight(selective, 1)
 
 
 class _Poison:
