@@ -12,21 +12,24 @@ NOTE [What the trainer keeps]
   ep x etp and sharded over the experts' own data-parallel ranks (dp_shard / ep). Without
   FSDP the same 16 bytes are whole, plus the bf16 copies autocast casts for the matmuls.
 - FSDP reshards each block after its forward; the root (embedding, final norm, output) stays
-  gathered (bf16) from forward to backward. In backward a block is gathered with the next
-  one prefetched; its gradients are made in bf16 and packed into an fp32 reduce-scatter
-  input (the block's whole gradients) with an fp32 output (its shard). hp_fsdp lets go of
-  the input once the reduce-scatter is done (when the next block's starts) and holds the
-  output until the backward's end (``ParamGroup._rs``), when the outputs become the gradient
-  shards: by the last block's backward that is 4 / shard bytes per parameter of every other
-  block, and one block's 4 bytes per parameter. The head's gradients (output projection, final norm)
-  exist from the first block's backward, the embedding's at the end.
-- Under a pipeline, hp-pipeline's UNSHARD gathers every stage once per step and keeps it
-  (with its bf16 gradients, no fp32 shard of any) until RESHARD reduces all groups at once
-  (every group's fp32 output, the inputs of two groups at a time); the last stage keeps
-  each microbatch's detached logits (all m by its last microbatch's loss) and concatenates
-  them after RESHARD (2 m then). On gloo (``Cluster.holds_sends``) a send's work reports
-  completion only once waited, so every tensor a rank sent (hidden states forward, their
-  gradients back) stays until the step's end; on NCCL it is let go at the next compute step.
+  gathered (bf16) from forward to backward. In backward a block is gathered with the next one
+  prefetched; its gradients are made in bf16 and packed into an fp32 reduce-scatter input (the
+  block's whole gradients) with an fp32 output (its shard). hp_fsdp lets go of the input once
+  the reduce-scatter is done (before the next block packs) and holds the output until the
+  backward's end (``ParamGroup._rs``), when the outputs become the gradient shards (or are added
+  into the earlier micro-steps' and freed) and the root is reduced: by the last block's backward
+  that is 4 / shard bytes per parameter of every other block, and one block's 4 bytes per
+  parameter. A block's pack holds its parameters, its whole bf16 gradients, the next block
+  prefetched and its input at once. The head's gradients (output projection, final norm) exist
+  from the first block's backward, the embedding's at the end.
+- Under a pipeline, hp-pipeline's UNSHARD gathers every stage once per step and keeps it (with
+  its bf16 gradients, no fp32 shard of any) until RESHARD reduces all groups at once (one
+  group's fp32 input at a time, each group's gradients let go of as it is packed, the fp32
+  outputs adding up); the last stage keeps each microbatch's detached logits (all m by its last
+  microbatch's loss) and concatenates them after RESHARD (2 m then). On gloo
+  (``Cluster.holds_sends``) a send's work reports completion only once waited, so every tensor a
+  rank sent (hidden states forward, their gradients back) stays until the step's end; on NCCL it
+  is let go at the next compute step.
 - Activations: NOTE [Saved activations] in ``_layers``, times the microbatches in flight
   (``_pipeline.inflight``); the last stage keeps the fp32 log-softmax of
   ``F.cross_entropy(logits.float())`` (4 bytes per logit: the bf16 logits and their fp32 copy
@@ -38,18 +41,19 @@ NOTE [What the trainer keeps]
   SwiGLU's two inputs, less the product w2's weight gradient consumed), with w2's weight
   gradient made. The rotary tables (fp32 cos and sin of the rank's positions) stay all along.
 - The peak is the fullest of the step's moments, each summed by cause: the loss's backward
-  (every saved set, the log-softmax buffers, the weight copies still saved), the forward's
-  end (autocast's whole cache of copies, the logits), a block's backward (the first, the
-  second-to-last, the last: the saved sets of the blocks left, the FSDP buffers and gradients
-  of the blocks done) and the backward's end (every block's gradients), under a pipeline also
-  its last backward (one microbatch, every send held), RESHARD and the outputs'
-  concatenation, and the optimizer step (fp32 parameters, gradients, two moments and foreach
-  AdamW's sqrt of the second: 20 bytes per sharded parameter). Gradients exist while a
-  microbatch runs only after the step's first backward (``zero_grad(set_to_none=True)``), so
-  with one microbatch and no pipeline they are not beside the activations. Checked on one
-  H200 (1.3B and Llama-3.2-1B, no / full / selective / swap / two micro-steps): within 0.4% of
-  the allocated peaks; against ``hp-plan dry-run`` on 4 CPU ranks (benchmarks/RESULTS.md) and
-  a fake 8-rank Llama 3 8B (no / full recomputation): within 1.6%.
+  (every saved set, the log-softmax buffers, the weight copies still saved), the forward's end
+  (autocast's whole cache of copies, the logits), a block's backward and its pack (the first,
+  the second-to-last, the last: the saved sets of the blocks left, the FSDP buffers and
+  gradients of the blocks done), the embedding's backward and the root's reduce-scatter (every
+  block's gradients), under a pipeline also its last backward (one microbatch, every send held),
+  RESHARD and the outputs' concatenation, and the optimizer step (fp32 parameters, gradients,
+  two moments and foreach AdamW's sqrt of the second: 20 bytes per sharded parameter). Gradients
+  exist while a microbatch runs only after the step's first backward
+  (``zero_grad(set_to_none=True)``), so with one microbatch and no pipeline they are not beside
+  the activations. Checked on one H200 (1.3B and Llama-3.2-1B, no / full / selective / swap /
+  two micro-steps): within 0.4% of the allocated peaks; against ``hp-plan dry-run`` on 4 CPU
+  ranks (benchmarks/RESULTS.md) and a fake 8-rank Llama 3 8B (no / full recomputation): within
+  1.6%.
 - Without FSDP (autocast): the residual stream is fp32, each projection saves its own bf16
   copy of its norm's output, every matmul saves its weight's bf16 copy (the embedding's
   lookup casts nothing); a checkpointed block saves none, the output projection its own.
@@ -815,7 +819,8 @@ class Evaluator:
                 fwd_logits = head + depths * tokens * v * ab  # the logits the forward returns
         # the rotary tables (fp32 cos and sin of the rank's positions), held all along
         rope = spec.qk_rope_head_dim if spec.kv_lora_rank else spec.head_dim
-        persistent = 2 * self.work.seq_len // plan.cp * rope * 4
+        # (each pipeline stage holds its own)
+        persistent = 2 * self.work.seq_len // plan.cp * rope * 4 * len(rank.stages)
         other = persistent
         copies = kept_copies = block_copies = saved_copies = 0.0
         if plan.fsdp:
@@ -887,10 +892,21 @@ class Evaluator:
                 # step()'s concatenation of the kept logits, after RESHARD
                 ("backward", shard * 4, 0.0, 0.0, 2 * kept_out, other),
             ]
-            if plan.fsdp:  # RESHARD: every group's fp32 reduce-scatter output; the inputs of
-                # the group being packed and of the one before it (let go once it is reduced)
-                group = max([_gathered(p, plan) for p in rank.kinds] + [_gathered(rank.root, plan)])
-                reshard = 2 * ab * u + 2 * group * _RS + shard * _RS
+            if plan.fsdp:  # RESHARD: the groups packed one after another (the root first),
+                # each group's gradients let go of as they are packed, one fp32 input alive at
+                # a time (the one before is let go of first), the earlier groups' fp32 outputs
+                # (a group's own is made once its gradients are packed and gone)
+                nb = max(n, 1)
+                block_g = _gathered(rank.blocks, plan) / nb
+                block_s = _sharded(rank.blocks, plan) / nb
+                groups = [(root_g, _sharded(rank.root, plan))] if root_g else []
+                groups += [(block_g, block_s)] * n
+                packed_before = outs = worst = 0.0
+                for g_, s_ in groups:
+                    worst = max(worst, ab * (u - packed_before) + _RS * (g_ + outs))
+                    packed_before += g_
+                    outs += s_
+                reshard = ab * u + worst
                 phases.append(("backward", 0.0, reshard, all_sends, kept_out, other))
         else:
             # FSDP reshards each block after its forward; the root stays gathered for the
@@ -914,24 +930,41 @@ class Evaluator:
             for k in sorted({0, max(n - 2, 0), n - 1, n}):
                 done, left = k / n, (n - k) / n
                 if k == n:
-                    act, oth = 0.0, other
-                    if plan.fsdp:  # the root's parameters, gradients and packed gradients,
-                        # the last block's packed gradients, every block's reduced shard
-                        grads, bufs = early_grads, 2 * root_g * ab + made + packed + root_g * _RS
+                    if plan.fsdp:
+                        # the embedding's backward: every block reduced (their fp32 shards),
+                        # the last block's input not yet let go of, the root gathered with
+                        # its gradients
+                        bufs = 2 * root_g * ab + made + packed
+                        phases.append(("backward", early_grads, bufs, 0.0, 0.0, other))
+                        # the root's reduce-scatter, after the blocks' outputs became their
+                        # gradients (added into the earlier micro-steps' and freed, or kept
+                        # as the shards): the root's input and output beside it
+                        grads = early_grads or made
+                        bufs = 2 * root_g * ab + (root_g + _sharded(rank.root, plan)) * _RS
+                        phases.append(("backward", grads, bufs, 0.0, 0.0, other))
                     else:
-                        grads, bufs = shard * 4, 0.0
+                        phases.append(("backward", shard * 4, 0.0, 0.0, 0.0, other))
+                    continue
+                act = (left * acts if mode != "swap" else acts) + working
+                oth = other + block_copies + left * saved_copies
+                if plan.fsdp:  # this block and the next (prefetched) gathered, its
+                    # down projection's gradient, the root's parameters, the head's
+                    # gradients
+                    nxt = 1 if k < n - 1 else 0
+                    gathered = block * (1 + nxt) + down + root_g + head_g
+                    grads = early_grads
+                    bufs = gathered * ab + done * made + (packed if k > 0 else 0.0)
+                    # the same block's pack, its backward done: its whole gradients beside
+                    # its parameters and the next block's, its fp32 input (the one before
+                    # let go of first), the earlier blocks' outputs
+                    after = (n - k - 1) / n
+                    act_p = after * acts if mode != "swap" else acts
+                    pack = (block * (2 + nxt) + root_g + head_g) * ab + done * made + packed
+                    oth_p = other + after * saved_copies
+                    phases.append(("backward", grads, pack, act_p, 0.0, oth_p))
                 else:
-                    act = (left * acts if mode != "swap" else acts) + working
-                    oth = other + block_copies + left * saved_copies
-                    if plan.fsdp:  # this block and the next (prefetched) gathered, its
-                        # down projection's gradient, the root's parameters, the head's
-                        # gradients
-                        gathered = block * (2 if k < n - 1 else 1) + down + root_g + head_g
-                        grads = early_grads
-                        bufs = gathered * ab + done * made + (packed if k > 0 else 0.0)
-                    else:
-                        grads = max(early_grads, done * made + (head_g + down) * 4)
-                        bufs = 0.0
+                    grads = max(early_grads, done * made + (head_g + down) * 4)
+                    bufs = 0.0
                 phases.append(("backward", grads, bufs, act, 0.0, oth))
         name, grads, bufs, act, lg, oth = max(phases, key=lambda p: sum(p[1:]))
         opt = shard * (_STATE - 8)

@@ -343,6 +343,11 @@ class ParamGroup:
         dev = self.device
         stream = self.ctx.side_stream(dev, "reduce_scatter")
         with col.on(stream):
+            # the groups reduced before: done with their inputs (let go of here, before this
+            # one is packed, so one packed input is alive at a time, as in FSDP2); under HSDP
+            # their all-reduce starts now, overlapping this reduce-scatter
+            for g in self.ctx.launched:
+                g._launch_allreduce()
             send = col.pack_gradients(
                 self.entries,
                 self.n,
@@ -354,9 +359,6 @@ class ParamGroup:
                 stream,
             )
             out = torch.empty(self.total + len(self.entries), dtype=self.reduce_dtype, device=dev)
-            # HSDP: the all-reduce of the previous group starts now, overlapping this one
-            for g in self.ctx.launched:
-                g._launch_allreduce()
             op = "avg" if self.avg_in_collective else "sum"
             work = self.platform.reduce_scatter_into(
                 out, send, op, self.mesh._groups[self.shard_dim], async_op=True
@@ -375,9 +377,9 @@ class ParamGroup:
         if work is not None:
             work.wait()  # on NCCL a stream dependency, not a host wait
         # the reduce-scatter is done with its input (the unsharded gradients, packed): let it
-        # go now, not at the end of backward, so at most the newest group's input is held
-        # (FSDP2 does the same); it was made on the reduce-scatter's stream, so the
-        # allocator reuses it only after the collective
+        # go now, before the next group packs, not at the end of backward (FSDP2 does the
+        # same); it was made on the reduce-scatter's stream, so the allocator reuses it only
+        # after the collective
         self._rs = (None, out, None, has)
         if self.rep_dim is not None and self.mesh.shape[self.rep_dim] > 1:
             op = "avg" if self.avg_in_collective else "sum"

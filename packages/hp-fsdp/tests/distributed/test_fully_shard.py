@@ -244,10 +244,11 @@ def _reduce_inputs_alive():
     ref, model = TinyLlama(layers=4), TinyLlama(layers=4)
     model.load_state_dict(ref.state_dict())
     _shard(model, mesh, "ours")
-    sends, alive = [], []
+    sends, alive, at_pack = [], [], []
     real = col.pack_gradients
 
     def spy(*args, **kwargs):
+        at_pack.append(sum(r() is not None for r in sends))  # inputs alive as one is packed
         out = real(*args, **kwargs)
         sends.append(weakref.ref(out))
         return out
@@ -274,16 +275,18 @@ def _reduce_inputs_alive():
         )
     finally:
         col.pack_gradients = real
-    return alive, err
+    return alive, at_pack, err
 
 
 def test_a_reduce_scatter_input_is_released_when_the_next_one_starts(pool2):
     """FSDP2's memory behaviour: a group's packed gradients are let go of once its
-    reduce-scatter is done (when the next group's starts), not at the end of the backward;
-    with 4 blocks at most the newest block's input is alive when backward reaches the
-    embedding (before, all 4 were), and the gradients stay exact."""
-    for alive, err in pool2.run(_reduce_inputs_alive):
+    reduce-scatter is done, before the next group packs, not at the end of the backward: no
+    earlier input is alive when one is packed (the 4 blocks' and the root's), only the newest
+    block's when backward reaches the embedding (before, all 4 were), and the gradients stay
+    exact."""
+    for alive, at_pack, err in pool2.run(_reduce_inputs_alive):
         assert alive == [(4, 1)], alive
+        assert at_pack == [0] * 5, at_pack
         assert err < 1e-5, err
 
 
