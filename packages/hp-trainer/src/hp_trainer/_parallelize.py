@@ -677,6 +677,13 @@ def apply_autocast(model: nn.Module, dtype: torch.dtype) -> None:
     model.forward = forward
 
 
+def _uses(config: ParallelizeConfig, action: str) -> bool:
+    """Whether ``action`` applies to any block: as the mode, or in the per-module plan."""
+    return (
+        config.activation_checkpoint == action or action in (config.activation_plan or {}).values()
+    )
+
+
 def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> None:
     """Refuse the options that would have nothing to act on, or that are untested together,
     with a :class:`ConfigError` naming the trainer's config key (``hp-train``'s preflight and
@@ -689,8 +696,7 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 f"matmuls: it needs tensor_parallel_degree > 1 (got {pd.tp}) and "
                 "sequence_parallel = true"
             )
-        plan_actions = (config.activation_plan or {}).values()
-        if config.activation_checkpoint == "selective" or "selective" in plan_actions:
+        if _uses(config, "selective"):
             raise ConfigError(
                 "parallelism.async_tp=true with selective recomputation: the fused kernels "
                 "write their matmuls into shared buffers, which selective checkpointing cannot "
@@ -737,17 +743,12 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 "parameters into new buffers every step, which a graph would replay stale): "
                 "use 'default' or 'max-autotune-no-cudagraphs'"
             )
-        swapped = (
-            config.activation_checkpoint == "swap"
-            or "swap" in (config.activation_plan or {}).values()
-        )
-        if swapped:
+        if _uses(config, "swap"):
             raise ConfigError(
                 "training.compile=true with swapped activations (activation_checkpoint swap) "
                 "is untested: use full recomputation, or leave compile false"
             )
-        plan_actions = (config.activation_plan or {}).values()
-        if config.activation_checkpoint == "selective" or "selective" in plan_actions:
+        if _uses(config, "selective"):
             raise ConfigError(
                 "training.compile=true with selective recomputation fails in torch's "
                 "selective checkpoint (a tensor it cached is mutated by the compiled block): "
