@@ -15,7 +15,7 @@ import torch.nn as nn
 import hp_dtensor as hp
 
 from ._parallel_dims import ParallelDims
-from .config import ACTIVATION_ACTIONS, COMPILE_MODES
+from .config import ACTIVATION_ACTIONS, COMPILE_MODES, CUDA_GRAPH_MODES
 from .errors import ConfigError, TrainerTypeError, check_instance
 
 __all__ = [
@@ -116,9 +116,6 @@ class ParallelizeConfig:
     #: ``torch.compile``'s mode for the blocks (``config.COMPILE_MODES``); the CUDA-graph modes
     #: on one process without activation checkpointing only
     compile_mode: str = "default"
-
-
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def dp_mesh(mesh, parallel_dims: ParallelDims):
@@ -736,7 +733,7 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
                 f"parallelism); not with {', '.join(wrong)}: set them to 1, or leave "
                 "training.compile false"
             )
-        if config.compile_mode in _CUDA_GRAPH_MODES and pd.world_size > 1:
+        if config.compile_mode in CUDA_GRAPH_MODES and pd.world_size > 1:
             raise ConfigError(
                 f"training.compile_mode={config.compile_mode!r} captures CUDA graphs, which "
                 f"are tested on one process only (this job has {pd.world_size}: FSDP gathers "
@@ -757,7 +754,7 @@ def check_parallelize_config(pd: ParallelDims, config: ParallelizeConfig) -> Non
         recomputed = config.activation_checkpoint != "none" or any(
             a != "none" for a in (config.activation_plan or {}).values()
         )
-        if config.compile_mode in _CUDA_GRAPH_MODES and recomputed:
+        if config.compile_mode in CUDA_GRAPH_MODES and recomputed:
             raise ConfigError(
                 f"training.compile_mode={config.compile_mode!r} captures CUDA graphs, whose "
                 "outputs the next replay overwrites; activation checkpointing re-runs the "

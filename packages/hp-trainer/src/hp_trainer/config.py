@@ -112,8 +112,9 @@ class MoE:
 
 #: what activation memory a block (or a plan's module) gets
 ACTIVATION_ACTIONS = ("none", "full", "selective", "swap")
-#: torch.compile's modes; the last two capture CUDA graphs
+#: torch.compile's modes, and those of them that capture CUDA graphs
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass
