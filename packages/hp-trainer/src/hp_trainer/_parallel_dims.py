@@ -93,6 +93,15 @@ class ParallelDims:
                 f"efsdp) mesh, which hp_fsdp does not compose with another mesh's DTensors: set "
                 f"{KEYS['dp_replicate']} = 1 and shard over every data-parallel rank instead"
             )
+        elif self.dp_replicate > 1 and self.tp > 1:
+            problems.append(
+                f"{KEYS['dp_replicate']}={self.dp_replicate} with {KEYS['tp']}={self.tp}: "
+                f"replicated or HSDP parameters would need fully_shard over a 2-D (dp_replicate, "
+                f"dp_shard) mesh, which hp_fsdp does not compose with tensor parallelism's "
+                f"DTensors: set {KEYS['dp_replicate']} = 1 and {KEYS['dp_shard']} = "
+                f"{self.dp_replicate * self.dp_shard} (shard over "
+                f"every data-parallel rank)"
+            )
         elif self.ep > 1 and self.etp > 1 and self.dp_shard != self.ep:
             problems.append(
                 f"{KEYS['etp']}={self.etp} with {KEYS['ep']}={self.ep} shards each expert over "
@@ -199,9 +208,14 @@ class ParallelDims:
 
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The world mesh's shape and dimension names (dimensions of degree 1 left out; a
-        1-D ``("dp_shard",)`` mesh when every degree is 1)."""
+        1-D ``("dp_shard",)`` mesh when every degree is 1). ``dp_shard`` of 1 is kept beside a
+        ``dp_replicate`` > 1 with nothing else to shard over (``cp`` 1): FSDP then gets its 2-D
+        ``(dp_replicate, dp_shard)`` mesh, whole parameters on every rank and gradients
+        all-reduced, as torchtitan's data-parallel replication (it would otherwise shard over
+        the replicate dimension)."""
+        keep = {"dp_shard"} if self.dp_replicate > 1 and self.cp == 1 else set()
         dims = [(n, getattr(self, n)) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
-        dims = [(n, d) for n, d in dims if d > 1] or [("dp_shard", 1)]
+        dims = [(n, d) for n, d in dims if d > 1 or n in keep] or [("dp_shard", 1)]
         return tuple(d for _, d in dims), tuple(n for n, _ in dims)
 
     def expert_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -71,6 +71,9 @@ def _parallel(name, dims, sp):
     model = parallelize_llama(
         _model(name), parallel_dims=pd, mesh=mesh, config=ParallelizeConfig(sequence_parallel=sp)
     )
+    if pd.dp_replicate > 1 and pd.dp_shard * pd.cp == 1:  # replication, as torchtitan's
+        whole = [n for n, p in model.named_parameters() if p.to_local().shape == p.shape]
+        assert whole == [n for n, _ in model.named_parameters()], "sharded over dp_replicate"
     names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
     rep = coord[names.index("dp_replicate")] if "dp_replicate" in names else 0
     shard = coord[names.index("dp_shard")] if "dp_shard" in names else 0
@@ -98,6 +101,7 @@ def _parallel(name, dims, sp):
         ("qwen3.5-tiny", {"tp": 2}, True),  # Gated DeltaNet heads split, FSDP 2 x TP 2
         ("llama3-tiny", {"tp": 2}, False),
         ("llama3-tiny", {"dp_replicate": 2}, True),
+        ("llama3-tiny", {"dp_replicate": 4}, True),  # dp_shard 1: whole parameters
         ("deepseek-v3-tiny", {"tp": 2}, True),  # MLA: heads split, latents whole
         ("deepseek-v3-tiny-no-q-lora", {"tp": 2}, False),
     ],
@@ -107,6 +111,7 @@ def _parallel(name, dims, sp):
         "fsdp2xtp2-sp-qwen3.5",
         "fsdp2xtp2-llama",
         "hsdp2x2-llama",
+        "replicate4-llama",
         "fsdp2xtp2-sp-deepseek-mla",
         "fsdp2xtp2-deepseek-mla-no-q-lora",
     ],

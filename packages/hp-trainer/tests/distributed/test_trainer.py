@@ -61,6 +61,10 @@ PAR = {
     # FSDP has gathered the output weight)
     "hsdp2x2-fused-loss": "--parallelism.data_parallel_replicate_degree 2 "
     "--parallelism.data_parallel_shard_degree 2 --training.fused_loss true",
+    # replication with nothing to shard over: whole parameters, gradients all-reduced
+    "replicate2xpp2": "--parallelism.data_parallel_replicate_degree 2 "
+    "--parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree 2 "
+    "--parallelism.pipeline_microbatches 2 --training.local_batch_size 0",
     "pp2xfsdp2-ac": "--parallelism.pipeline_parallel_degree 2 "
     "--parallelism.data_parallel_shard_degree 2 --parallelism.pipeline_microbatches 2 "
     "--training.local_batch_size 0 --activation_checkpoint.mode full",

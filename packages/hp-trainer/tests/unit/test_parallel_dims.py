@@ -7,10 +7,17 @@ from hp_trainer.errors import ConfigError
 
 
 def test_fill_and_mesh_shape():
-    pd = ParallelDims(dp_replicate=2, tp=2, world_size=8)
+    pd = ParallelDims(dp_replicate=2, cp=2, world_size=8)
     assert pd.dp_shard == 2 and pd.dp == 4
-    assert pd.mesh_shape() == ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+    assert pd.mesh_shape() == ((2, 2, 2), ("dp_replicate", "dp_shard", "cp"))
     assert ParallelDims(world_size=1).mesh_shape() == ((1,), ("dp_shard",))
+    # replication alone keeps its (dp_replicate, dp_shard) pair: FSDP's 2-D mesh, not 1-D
+    rep = ParallelDims(dp_replicate=4, world_size=4)
+    assert rep.mesh_shape() == ((4, 1), ("dp_replicate", "dp_shard"))
+    assert ParallelDims(dp_replicate=2, cp=2, world_size=4).mesh_shape() == (
+        (2, 2),
+        ("dp_replicate", "cp"),
+    )
     assert ParallelDims(pp=2, dp_shard=2, world_size=4).mesh_shape() == ((2, 2), ("pp", "dp_shard"))
 
 
@@ -29,6 +36,14 @@ def test_bad_degrees_listed_together():
         ParallelDims(tp=2, etp=3, world_size=4)
     with pytest.raises(ConfigError, match="expert_parallel_degree=3 must divide"):
         ParallelDims(ep=3, world_size=4)
+    # replicated (or HSDP) parameters do not compose with TP's DTensors in hp_fsdp: refused
+    # here, before any process group, with the sharded layout of the same ranks as the fix
+    for shard in (1, 2):
+        with pytest.raises(
+            ConfigError,
+            match=f"replicate_degree=2 with .*tensor_parallel_degree=2.*shard_degree = {2 * shard}",
+        ):
+            ParallelDims(dp_replicate=2, dp_shard=shard, tp=2, world_size=4 * shard)
 
 
 def test_model_checks():
