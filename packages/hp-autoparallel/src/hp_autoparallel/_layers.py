@@ -28,7 +28,8 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
   among hp-offload's saved ops, so a MoE's experts are recomputed;
 - ``full`` keeps the checkpoint input only; both recompute one block at a time in backward,
   when that block's whole set is alive again.
-- each RMSNorm (CUDA's fused kernel) saves its input and an fp32 rstd per token; where
+- each RMSNorm (CUDA's fused kernel) saves its input and an fp32 rstd per row (a token for
+  the block's norms, a head and token for Qwen3's q/k norms); where
   ``F.rms_norm`` is torch's composite (the CPU's, ``GpuCalibration.rms_norm =
   "decomposed"``) it saves its input cast to fp32 (the input itself when fp32) and the fp32
   ``x * rstd`` for the weight's multiply: ``DECOMPOSED_NORM - b`` more bytes per element of
@@ -37,7 +38,9 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
 - under autocast without FSDP (fp32 parameters) the block's input and the ffn norm's input
   are fp32 and every projection reading a norm's output saves its own bf16 cast of it (q, k,
   v: three; w1, w3: two); ``tests/unit/test_saved_measured.py`` checks the dense block's bytes
-  per token in every mode against torch's allocator on the CPU.
+  per token in every mode against torch's allocator on the CPU, for Llama and Qwen3. MLA is
+  not checked there: on the CPU its attention (value and query head dims differ) takes the
+  math kernel, which saves fp32 scores, where CUDA's fused kernels save a log-sum-exp.
 Gated DeltaNet blocks are estimated from their projection widths (not derived op by op); MLA,
 Gated DeltaNet and MoE blocks get the fp32 norm inputs under autocast but not the per-projection
 copies.
@@ -261,6 +264,7 @@ def saved_bytes(
         extra += (stream - ab) * d / tp
     else:
         extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
+        extra += _RSTD * _inner_norm_rows(spec, mixer, tp)  # the mixer's norms' rstd
         if decomposed_norm:
             block, inner = _normalised(spec, mixer, tp)
             extra += (DECOMPOSED_NORM - stream) * block + (DECOMPOSED_NORM - ab) * inner
@@ -273,6 +277,17 @@ def saved_bytes(
 #: bytes per normalised element torch's composite ``F.rms_norm`` saves beside its rstd: its
 #: input cast to fp32 and the fp32 ``x * rstd`` (the fused kernel saves the input as it is)
 DECOMPOSED_NORM = 8
+
+
+def _inner_norm_rows(spec: ModelSpec, mixer: str, tp: int) -> float:
+    """RMSNorm rows per token inside the token mixer, each with its fp32 rstd saved: Qwen3's
+    q/k norms, one per query and key/value head of the rank; MLA's query and key/value latent
+    norms, whole on each tp rank."""
+    if mixer in ("attention", "gated_attention") and spec.qk_norm:
+        return (spec.n_heads + spec.n_kv_heads) / tp
+    if mixer == "mla":
+        return 1 + (1 if spec.q_lora_rank else 0)
+    return 0.0
 
 
 def _normalised(spec: ModelSpec, mixer: str, tp: int) -> tuple[float, float]:

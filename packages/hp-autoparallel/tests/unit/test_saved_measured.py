@@ -1,7 +1,8 @@
 """NOTE [Saved activations] against torch: the bytes per token one block of hp-trainer's
-Llama keeps from its forward to its backward, measured on the CPU with torch's allocator
-events (the profiler's memory timeline: tensors created in the forward and still alive after
-it), under bf16 autocast without FSDP (the one-process trainer) for each recompute mode.
+Llama (and Qwen3, with its q/k norms) keeps from its forward to its backward, measured on the
+CPU with torch's allocator events (the profiler's memory timeline: tensors created in the
+forward and still alive after it), under bf16 autocast without FSDP (the one-process
+trainer) for each recompute mode.
 
 CUDA's ``F.rms_norm`` is the fused kernel, which saves its input and the fp32 rstd; the CPU's
 decomposes and also saves the normalised fp32 tensor. The norms here are swapped for a
@@ -33,11 +34,14 @@ class _FusedRMSNorm(torch.autograd.Function):
         raise NotImplementedError
 
 
-def _config(n_layers):
+def _config(n_layers, arch="llama"):
+    """Llama, or Qwen3 (per-head q/k norms, each saving its rstd; head_dim 128 != dim /
+    heads)."""
     from hp_trainer.models import TransformerConfig
 
+    qwen = {"qk_norm": True, "head_dim": 128} if arch == "qwen3" else {}
     return TransformerConfig(
-        architecture="llama",
+        architecture=arch,
         vocab_size=VOCAB,
         dim=DIM,
         n_layers=n_layers,
@@ -45,10 +49,11 @@ def _config(n_layers):
         n_kv_heads=KV,
         ffn_hidden=FFN,
         max_seq_len=SEQ,
+        **qwen,
     )
 
 
-def _alive_after_forward(mode, n_layers, batch):
+def _alive_after_forward(mode, n_layers, batch, arch="llama"):
     """Bytes of the tensors the model's forward creates that outlive it."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
@@ -58,7 +63,7 @@ def _alive_after_forward(mode, n_layers, batch):
     from hp_trainer.models import RMSNorm, Transformer
 
     torch.manual_seed(0)
-    model = Transformer(_config(n_layers))
+    model = Transformer(_config(n_layers, arch))
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.forward = lambda x, m=m: _FusedRMSNorm.apply(x, m.weight, m.eps)
@@ -83,19 +88,21 @@ def _alive_after_forward(mode, n_layers, batch):
     return sum(created.values())
 
 
-def _measured_per_token(mode):
+def _measured_per_token(mode, arch="llama"):
     """One block's bytes per token: differences over blocks (1 -> 3) and over tokens (one
     sequence -> three), so the head, the weight copies and the rotary tables drop out."""
 
     def per_block(batch):
-        return (_alive_after_forward(mode, 3, batch) - _alive_after_forward(mode, 1, batch)) / 2
+        alive = [_alive_after_forward(mode, n, batch, arch) for n in (3, 1)]
+        return (alive[0] - alive[1]) / 2
 
     return (per_block(3) - per_block(1)) / (2 * SEQ)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_saved_bytes_per_token_match_torch(mode):
-    spec = spec_from_config(_config(2), name="tiny-measured")
+def test_saved_bytes_per_token_match_torch(mode, arch):
+    spec = spec_from_config(_config(2, arch), name=f"tiny-measured-{arch}")
     kind = L.kind_of(spec, 0)
     predicted = L.saved_bytes(spec, kind, mode, 1, 1, 1, 2, True)
-    assert _measured_per_token(mode) == pytest.approx(predicted)
+    assert _measured_per_token(mode, arch) == pytest.approx(predicted)
