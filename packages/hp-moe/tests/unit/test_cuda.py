@@ -81,6 +81,8 @@ def test_compiled_moe_on_cuda_under_checkpointing_equals_eager(capacity_factor):
             assert ((a - b).abs().max() / a.abs().max()).item() < 3e-2
     assert torch.equal(traced.tokens_per_expert, eager.tokens_per_expert)
     assert torch.equal(traced.dropped_tokens, eager.dropped_tokens)
-    assert int(eager.tokens_per_expert.sum()) + int(eager.dropped_tokens) == 3 * 4 * 128 * 4
+    # the counts are of routed copies (what the bias balances), dropped ones included
+    assert int(eager.tokens_per_expert.sum()) == 3 * 4 * 128 * 4
+    assert (int(eager.dropped_tokens) > 0) == (capacity_factor is not None)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
