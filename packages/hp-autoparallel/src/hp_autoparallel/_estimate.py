@@ -387,7 +387,7 @@ def _swapped_bytes(
     """Bytes hp_offload's SwapManager moves to the host for one block: what it saves without
     recomputation and, under autocast, each matmul's bf16 weight cast (saved for backward and
     not a leaf, so moved like an activation)."""
-    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast, norm)
+    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast, norm, seq)
     if autocast:
         w = L.work(spec, kind, tokens, seq, tp, etp, ab, autocast)
         saved += (w.matmul / (2 * tokens) + L.kind_params(spec, kind).experts / etp) * ab
@@ -667,16 +667,17 @@ class Evaluator:
             kept = "none" if plan.recompute == "swap" else plan.recompute
             total = window = fresh = transient = 0.0
             seq, tp, etp = self.work.seq_len, plan.tp, plan.etp
+            local = seq // plan.cp  # the sequence each rank runs
             for s in rank.stages:
                 for kind, n in L.layer_kinds(spec, *layout.ranges[s]).items():
-                    whole = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, ac, nx)
+                    whole = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, ac, nx, local)
                     if plan.recompute == "swap":  # what the manager moves, casts included
                         whole = _swapped_bytes(
                             spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac, nx
                         )
                         total += n * whole
                     else:
-                        mine = L.saved_bytes(spec, kind, kept, tokens, tp, etp, ab, ac, nx)
+                        mine = L.saved_bytes(spec, kind, kept, tokens, tp, etp, ab, ac, nx, local)
                         total += n * mine
                         fresh = max(fresh, whole - mine)
                     window = max(window, whole)
@@ -687,7 +688,7 @@ class Evaluator:
                 if s == layout.n_stages - 1 and spec.mtp_layers:
                     kind = L.kind_of(spec, spec.n_layers - 1)
                     total += spec.mtp_layers * (
-                        L.saved_bytes(spec, kind, kept, tokens, plan.tp, plan.etp, ab, ac, nx)
+                        L.saved_bytes(spec, kind, kept, tokens, tp, etp, ab, ac, nx, local)
                         + 4 * tokens * spec.dim * ab  # the two norms' inputs, the projection's
                     )
             hit = self._saved[key] = (total / len(rank.stages), window, fresh, transient)

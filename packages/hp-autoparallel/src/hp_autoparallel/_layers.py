@@ -223,6 +223,114 @@ def _projections(spec: ModelSpec, mixer: str, moe: bool) -> tuple[int, int]:
     return attn, ffn
 
 
+#: the chunk length of hp-trainer's chunked gated delta rule (``GatedDeltaNet.chunk``)
+GDN_CHUNK = 64
+
+
+def _qwen35_norm(spec: ModelSpec, tp: int, ab: int, autocast: bool, readers: int) -> float:
+    """Bytes per token one of Qwen3.5's zero-centred RMSNorms keeps: ``rms_norm`` of its fp32
+    input (the input cast, or the fp32 stream itself) and the rstd, the fp32 normalised tensor
+    for the ``1 + weight`` scale (the norm calls ``F.rms_norm`` without a weight, so the CPU's
+    composite saves what CUDA's kernel does), and its output as the projections reading it
+    keep it: under autocast each of the ``readers`` casts the fp32 output itself."""
+    d = spec.dim
+    out = readers * ab * d if autocast else ab * d
+    return (8 * d + _RSTD) / tp + out
+
+
+def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> float:
+    """Bytes per token hp-trainer's Gated DeltaNet keeps beyond its input norm (NOTE [Saved
+    activations]): the q/k/v projections' outputs and their short convolutions (each SiLU
+    saving the convolution's padded output), beta and the decay's softplus, the L2
+    normalisation in fp32, the chunked delta rule's fp32 pieces (within-chunk decay, the
+    triangular system and its solutions, the decayed queries and keys), the recurrence over
+    chunks (the state per chunk; under autocast each matmul's bf16 operand casts), and the
+    gated output norm. ``seq`` is the sequence each rank runs (0: long, the halo and the first
+    chunk's state, which needs no gradient, taken as nothing)."""
+    h, hk = spec.linear_num_value_heads / tp, spec.linear_num_key_heads / tp
+    dk, dv, c = spec.linear_key_head_dim, spec.linear_value_head_dim, GDN_CHUNK
+    key, value, a, low = hk * dk, h * dv, ab, ab < 4
+    halo = (spec.linear_conv_kernel - 1) / seq if seq else 0.0
+    n = -(-seq // c) if seq else 0
+    later = (n - 1) / n if n else 1.0  # the chunks after the first (their state needs a gradient)
+    # projections: each convolution saves its input, its SiLU the padded convolution output;
+    # beta's sigmoid output; the decay's softplus input and output (fp32)
+    out = a * (2 * key + value) * (2 + halo) + a * h + 8 * h
+    # L2 normalisation of q and k (repeated to the value heads): the fp32 input (twice when
+    # it is a cast: ``_f32(q)`` is called twice) and the rsqrt
+    out += 2 * ((2 if low else 1) * 4 * h * dk + 4 * h)
+    # the chunked pieces (fp32): v (and beta) in fp32, k, the within-chunk decay and the
+    # triangular system (c x c per head), u and w, three decays' exps, the chunk decay
+    out += 4 * value + (4 * h if low else 0) + 8 * h * dk + 8 * h * c + 4 * h * dv
+    out += 12 * h + 4 * h / c
+    if autocast:  # the two within-chunk matmuls: operand casts and bf16 outputs; kb and q_s
+        out += 4 * a * h * dk + 2 * a * h * c + 8 * h * dk
+    else:  # fp32 matmuls: each folds its 5-D operands into 3-D copies it keeps (two each),
+        # fp32 outputs; kb and the scaled queries for their products with the decays
+        out += 24 * h * dk + 8 * h * c
+    # the recurrence, per chunk: under autocast the state's casts (twice), the scores' and the
+    # corrected values' (else the corrected values in fp32), and after the first chunk (whose
+    # zero state needs no gradient) the resolved keys' and decayed queries'. The state update
+    # (the fp32 state, and under autocast the decayed keys' and corrected values' casts) is
+    # kept for every chunk but the last, whose new state nothing reads (freed with it).
+    state = dk * dv / c
+    update = 4 * h * state + (a * h * (dk + dv) if autocast else 0.0)
+    if autocast:
+        out += 2 * a * h * state + a * h * c + a * h * dv + later * (2 * a * h * dk + update)
+    else:  # the fp32 matmuls keep every chunk's state (the last one's too), the corrected
+        # values and, through their chunk views, the whole scores and (from the second chunk
+        # on) the decayed keys and queries
+        out += update + 4 * h * dv + 4 * h * c + (8 * h * dk if n != 1 else 0.0)
+    # the gated norm: its fp32 input and rstd per head, the normalised output, its product
+    # with the weight (fp32 where the weight is: autocast's fp32 parameters), silu's fp32
+    # input (the gate) and output, and the output projection's input
+    out += 12 * value + (2 * a + (4 if autocast else a)) * value + 4 * h
+    return out
+
+
+def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
+    """Bytes per token of the Gated DeltaNet's batched matmul outputs, which selective
+    recomputation keeps (hp-offload saves every matmul's output): the two within-chunk score
+    matrices and, per chunk, the recurrence's three value-sized products and the state
+    update's; bf16 under autocast, fp32 otherwise (the rule runs in fp32)."""
+    h, dk, c = spec.linear_num_value_heads / tp, spec.linear_key_head_dim, GDN_CHUNK
+    dv = spec.linear_value_head_dim
+    size = ab if autocast else 4
+    return size * h * (2 * c + 3 * dv + dk * dv / c)
+
+
+def _gated_attention_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
+    """Bytes per token Qwen3.5's gated attention keeps beyond its input norm: the q and k
+    zero-centred norms (fp32 input and normalised tensor, rstd per head), SDPA's q, k, v,
+    output and log-sum-exp, the sigmoid gate, the gated product's operand and the output
+    projection's input."""
+    h, kv, hd, a = spec.n_heads / tp, spec.n_kv_heads / tp, spec.head_dim, ab
+    # q/k norms: the fp32 input (in fp32 the query is a view of wq's output, which keeps the
+    # gate's half too), the rstd and the fp32 normalised tensor
+    out = 8 * (h + kv) * hd + 4 * (h + kv) + (4 * h * hd if ab == 4 else 0.0)
+    out += a * (2 * h + 2 * kv) * hd + _LSE * h  # SDPA: q, k, v, output (laid out as the
+    # merged heads read it: no copy); lse
+    out += 2 * a * h * hd  # sigmoid(gate), wo's input
+    return out
+
+
+def _qwen35_saved(spec, kind, tp, etp, ab, autocast, seq) -> float:
+    """Bytes per token one Qwen3.5 block keeps without recomputation: its two norms, the token
+    mixer and the feed-forward (the SwiGLU's or the MoE's own saved set)."""
+    mixer, moe = kind
+    readers = 6 if mixer == "linear_attention" else 3  # q, k, v, b, a, z / q, k, v
+    out = _qwen35_norm(spec, tp, ab, autocast, readers)
+    if mixer == "linear_attention":
+        out += _gdn_mixer(spec, tp, ab, autocast, seq)
+    else:
+        out += _gated_attention_mixer(spec, tp, ab, autocast)
+    _, pf = _projections(spec, mixer, moe)
+    out += _qwen35_norm(spec, tp, ab, autocast, pf)
+    d = spec.dim
+    out += (_ffn_elements(spec, moe, "none", tp, etp, ab) - d / tp - d) * ab
+    return out
+
+
 @lru_cache(maxsize=4096)
 def saved_bytes(
     spec: ModelSpec,
@@ -234,6 +342,7 @@ def saved_bytes(
     ab: int,
     autocast: bool = False,
     decomposed_norm: bool = False,
+    seq: int = 0,
 ) -> float:
     """Bytes one block of ``kind`` keeps from its forward to its backward, per microbatch of
     ``tokens`` tokens, under ``mode`` (``"none"``, ``"selective"``, ``"full"``; swap keeps
@@ -257,11 +366,15 @@ def saved_bytes(
     if mode == "full":
         return tokens * d / tp * stream
     m = "selective" if mode == "selective" else "none"
+    if m == "none" and spec.architecture == "qwen3_5":
+        return tokens * _qwen35_saved(spec, kind, tp, etp, ab, autocast, seq)
     n = _mixer_elements(spec, mixer, m, tp, ab) + _ffn_elements(spec, moe, m, tp, etp, ab)
     extra = 0.0  # bytes per token beyond the elements of ``ab`` bytes
     if m == "selective":
         n -= d / tp  # the ffn norm's input is not saved: only the block's input is
         extra += (stream - ab) * d / tp
+        if mixer == "linear_attention":
+            extra += _gdn_matmul_outputs(spec, tp, ab, autocast)
     else:
         extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
         extra += _RSTD * _inner_norm_rows(spec, mixer, tp)  # the mixer's norms' rstd
