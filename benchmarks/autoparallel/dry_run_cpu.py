@@ -59,6 +59,9 @@ CASES = (
     Case("cp2-fsdp2", "llama3-tiny", {"dp_shard": 2, "cp": 2}),
     Case("moe-ep2-fsdp4", "qwen3-moe-tiny", {"dp_shard": 4, "ep": 2}),
     Case("moe-ep4", "qwen3-moe-tiny", {"dp_shard": 4, "ep": 4}),
+    # Qwen3.5: three Gated DeltaNet blocks (four chunks of the delta rule each) and one gated
+    # attention block
+    Case("qwen3.5-fsdp4", "qwen3.5-tiny", {"dp_shard": 4}),
 )
 
 
