@@ -53,6 +53,8 @@ class Case:
 CASES = (
     Case("fsdp4", "llama3-tiny", {"dp_shard": 4}),
     Case("hsdp2x2", "llama3-tiny", {"dp_replicate": 2, "dp_shard": 2}),
+    # replication alone: whole parameters on each rank, gradients all-reduced
+    Case("replicate4", "llama3-tiny", {"dp_replicate": 4, "dp_shard": 1}),
     Case("fsdp2-tp2", "llama3-tiny", {"dp_shard": 2, "tp": 2}),
     Case("pp2-fsdp2", "llama3-tiny", {"dp_shard": 2, "pp": 2, "schedule": "1f1b", "mb": 4}),
     Case("fsdp4-full", "llama3-tiny", {"dp_shard": 4, "recompute": "full"}),

@@ -5,11 +5,10 @@ best with hp-pipeline's simulator, and rank.
 NOTE [Search]
 1. Families: every (tp, cp, pp) whose product divides N, then every (dp_replicate, ep, etp)
    with them. Not generated (the trainer refuses them, ``hp_trainer.ParallelDims``): ep > 1
-   with cp > 1 or dp_replicate > 1, etp other than 1 or tp. Bounds of the search (reported by
-   ``--why``): tp within one node, cp <= ``max_cp``, and dp_replicate > 1 only with a sharded
-   dimension (dp_shard x cp > 1). Replication alone (the trainer's HSDP with a shard group of
-   one: whole parameters, gradients all-reduced) is not generated: its memory and traffic
-   have not been checked against a run. hp-trainer refuses dp_replicate > 1 with tp > 1.
+   with cp > 1 or dp_replicate > 1, etp other than 1 or tp, dp_replicate > 1 with tp > 1.
+   Bounds of the search (reported by ``--why``): tp within one node, cp <= ``max_cp``.
+   Replication alone (dp_shard x cp = 1: the trainer's HSDP over a shard group of one, whole
+   parameters, gradients all-reduced) is a family like the others.
 2. A family is checked with hp-trainer's own ``ParallelDims`` and ``check_model`` (heads,
    layers, experts, batch and sequence divisibility, MTP) and its pipeline rules (tied
    embeddings, float32 pipelines without FSDP), then by memory at its leanest (one-sequence
@@ -303,8 +302,8 @@ def _families(spec, gpus, work, cluster, max_cp, rejected):
                     continue
                 for rep in _divisors(dp):
                     shard = dp // rep
-                    if rep > 1 and shard * cp == 1:
-                        continue  # replication alone: not modelled (NOTE [Search] 1)
+                    if rep > 1 and tp > 1:
+                        continue  # ParallelDims: dp_replicate > 1 with tp > 1 (NOTE [Search] 1)
                     eps = [1]
                     if spec.is_moe and cp == 1 and rep == 1:
                         eps += [e for e in _divisors(shard) if e > 1 and spec.num_experts % e == 0]

@@ -176,3 +176,27 @@ def test_swap_variants_over_host_memory_are_rejected_with_a_reason():
     result = search(model_spec("llama3-8b"), 8, tiny_host, CLUSTER, Workload(64, 8192))
     assert all(e.plan.recompute != "swap" for e in result.ranked)
     assert "host_memory_gib = 1.0" in result.why()
+
+
+def test_replication_alone_is_a_family_and_replicated_tp_is_not(tmp_path):
+    """dp_replicate over every data-parallel rank (hp-trainer's HSDP over a shard group of
+    one) is generated, estimated and written as a TOML hp-train's preflight accepts;
+    dp_replicate > 1 with tp > 1, which ParallelDims refuses, is never generated."""
+    from hp_autoparallel import Plan, estimate
+    from hp_autoparallel._search import _families
+
+    cpu, cluster = load_gpu("cpu"), load_cluster("cpu")
+    spec, work = model_spec("llama3-tiny"), Workload(8, 128)
+    fams = list(_families(spec, 4, work, cluster, 4, []))
+    assert any((f.dp_replicate, f.dp_shard, f.tp, f.cp) == (4, 1, 1, 1) for f in fams)
+    assert any(f.dp_replicate > 1 for f in fams) and not any(
+        f.dp_replicate > 1 and f.tp > 1 for f in fams
+    )
+    est = estimate(spec, Plan(4, 1), work, cpu, cluster)
+    text = train_config(
+        est, model="llama3-tiny", global_batch=8, seq_len=128, gpu="cpu", compute_dtype="float32"
+    )
+    path = tmp_path / "replicate.toml"
+    path.write_text(text)
+    pd, _ = preflight(load_config(path), 4)
+    assert (pd.dp_replicate, pd.dp_shard) == (4, 1)
