@@ -254,6 +254,16 @@ class GroupedExperts(nn.Module):
             out = _ReduceFromGroup.apply(out, *tp)
         return out
 
+    def takes_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` on rows like ``x`` (``(..., dim)``) runs torch's grouped
+        GEMM rather than the loop of matmuls (a graph break under ``torch.compile``): decided
+        from the dtype it computes in (autocast's when autocast is on, else the weights') and
+        the shapes, as ``forward`` decides."""
+        w = [_local(t) for t in (self.w1, self.w2, self.w3)]
+        dtype = _compute_dtype(x, w[0])
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        return grouped_mm_supported(rows, *(t.to(dtype) for t in w))
+
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
 

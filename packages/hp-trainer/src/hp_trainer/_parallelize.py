@@ -648,12 +648,12 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
     (checkpointing then found other tensors saved), and the "global" loss's weights read a
     buffer the step updates in place, which a compiled backward would read after the update.
 
-    A MoE layer is traced only where its experts' grouped GEMM is (bf16 operands: see
-    ``hp_moe.grouped_mm_supported``), decided per call on the dtypes it is given (FSDP casts
-    the weights in its pre-forward, autocast leaves them fp32): elsewhere the whole layer runs
-    eagerly. With the loop of matmuls as a graph break inside the traced layer, fp32 on an H200
-    (torch 2.11) gave the forward's values and lost most of the gradient through the layer
-    (5% of eager's norm), where the CPU agreed to 1e-6.
+    A MoE layer is traced only where its experts' grouped GEMM is (bf16 operands:
+    ``GroupedExperts.takes_grouped_mm``), decided per call on the dtype the experts compute in
+    (FSDP's bf16 weights, or autocast's dtype over fp32 parameters): elsewhere (fp32) the
+    whole layer runs eagerly. With the loop of matmuls as a graph break inside the traced
+    layer, fp32 on an H200 (torch 2.11) gave the forward's values and lost most of the
+    gradient through the layer (5% of eager's norm), where the CPU agreed to 1e-6.
 
     ``mode`` is ``torch.compile``'s (``config.COMPILE_MODES``)."""
     from hp_moe import LocalDispatcher, MoE, hoist_recompute_check
@@ -671,23 +671,17 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
 
 
 def _traced_where_grouped(moe, traced, eager):
-    """``moe``'s forward: ``traced`` when its experts take the grouped GEMM for this input (no
-    graph break inside the layer; a static check on dtypes, shapes and strides, which the
-    compiled graph guards on), else ``eager`` (run outside the graph)."""
-    from hp_moe import grouped_mm_supported
+    """``moe``'s forward: ``traced`` when its experts take the grouped GEMM for this input
+    (``GroupedExperts.takes_grouped_mm``: the dtype they compute in, autocast's included, and
+    the shapes; no graph break inside the layer, and a static check the compiled graph guards
+    on), else ``eager`` (run outside the graph)."""
 
     def forward(x, *args, **kwargs):
-        experts = moe.experts
-        weights = [_local_tensor(getattr(experts, n)) for n in ("w1", "w2", "w3")]
-        if grouped_mm_supported(x.reshape(-1, x.shape[-1]), *weights):
+        if moe.experts.takes_grouped_mm(x):
             return traced(x, *args, **kwargs)
         return eager(x, *args, **kwargs)
 
     return forward
-
-
-def _local_tensor(t):
-    return t.to_local() if isinstance(t, hp.DTensor) else t
 
 
 def apply_autocast(model: nn.Module, dtype: torch.dtype) -> None:
