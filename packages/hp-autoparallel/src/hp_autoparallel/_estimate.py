@@ -382,12 +382,22 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
 
 
 def _swapped_bytes(
-    spec, kind, tokens: int, seq: int, tp: int, etp: int, ab: int, autocast: bool, norm=False
+    spec,
+    kind,
+    tokens: int,
+    seq: int,
+    tp: int,
+    etp: int,
+    ab: int,
+    autocast: bool,
+    norm=False,
+    local: int = 0,
 ):
     """Bytes hp_offload's SwapManager moves to the host for one block: what it saves without
     recomputation and, under autocast, each matmul's bf16 weight cast (saved for backward and
-    not a leaf, so moved like an activation)."""
-    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast, norm, seq)
+    not a leaf, so moved like an activation). ``seq`` is the whole sequence, ``local`` the
+    part one rank runs (default: ``seq``)."""
+    saved = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, autocast, norm, local or seq)
     if autocast:
         w = L.work(spec, kind, tokens, seq, tp, etp, ab, autocast)
         saved += (w.matmul / (2 * tokens) + L.kind_params(spec, kind).experts / etp) * ab
@@ -413,7 +423,16 @@ def _swap_time(c: _Ctx, lo: int, hi: int, last: bool, head_s: float) -> float:
         scratch = _Acc()
         f, b = _block_time(c, kind, "none", scratch, 1)
         moved = _swapped_bytes(
-            spec, kind, c.tokens, c.seq, c.tp, c.etp, c.ab, c.autocast, c.gpu.decomposed_norm
+            spec,
+            kind,
+            c.tokens,
+            c.seq,
+            c.tp,
+            c.etp,
+            c.ab,
+            c.autocast,
+            c.gpu.decomposed_norm,
+            c.seq // c.cp,
         )
         costs[kind] = LayerCost(int(moved), 0, f, b)
     _, extra = simulate(
@@ -658,7 +677,7 @@ class Evaluator:
         """(mean saved bytes per microbatch over the rank's stages, the largest block's whole
         set, the most a recomputed block adds to what it kept (its whole set less its kept
         set), the largest backward transient of a block): NOTE [Saved activations]."""
-        key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp, plan.fsdp)
+        key = (layout, rank.stages, plan.recompute, tokens, plan.tp, plan.etp, plan.fsdp, plan.cp)
         hit = self._saved.get(key)
         if hit is None:
             spec, ab = self.spec, self.ab
@@ -673,7 +692,7 @@ class Evaluator:
                     whole = L.saved_bytes(spec, kind, "none", tokens, tp, etp, ab, ac, nx, local)
                     if plan.recompute == "swap":  # what the manager moves, casts included
                         whole = _swapped_bytes(
-                            spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac, nx
+                            spec, kind, tokens, seq, plan.tp, plan.etp, ab, ac, nx, local
                         )
                         total += n * whole
                     else:

@@ -41,9 +41,11 @@ NOTE [Saved activations] (bf16 values unless said; per token, before the ``token
   per token in every mode against torch's allocator on the CPU, for Llama and Qwen3. MLA is
   not checked there: on the CPU its attention (value and query head dims differ) takes the
   math kernel, which saves fp32 scores, where CUDA's fused kernels save a log-sum-exp.
-Gated DeltaNet blocks are estimated from their projection widths (not derived op by op); MLA,
-Gated DeltaNet and MoE blocks get the fp32 norm inputs under autocast but not the per-projection
-copies.
+Qwen3.5's blocks (Gated DeltaNet, gated attention) are derived from hp-trainer's code in
+``_qwen35_saved`` and checked the same way; not modelled there: context parallelism's state
+passing in the Gated DeltaNet (its transition maps, each rank's first chunk needing a
+gradient), and the shared expert's casts of Qwen3.5-MoE. MLA and MoE blocks get the fp32 norm
+inputs under autocast but not the per-projection copies.
 
 NOTE [Element-wise traffic] (bytes read + written per token by every aten op of a block other
 than the GEMMs and the attention core, forward and backward; ``s`` the residual stream's bytes,
@@ -261,13 +263,13 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     out += 2 * ((2 if low else 1) * 4 * h * dk + 4 * h)
     # the chunked pieces (fp32): v (and beta) in fp32, k, the within-chunk decay and the
     # triangular system (c x c per head), u and w, three decays' exps, the chunk decay
-    out += 4 * value + (4 * h if low else 0) + 8 * h * dk + 8 * h * c + 4 * h * dv
-    out += 12 * h + 4 * h / c
+    rule = 4 * value + (4 * h if low else 0) + 8 * h * dk + 8 * h * c + 4 * h * dv
+    rule += 12 * h + 4 * h / c
     if autocast:  # the two within-chunk matmuls: operand casts and bf16 outputs; kb and q_s
-        out += 4 * a * h * dk + 2 * a * h * c + 8 * h * dk
+        rule += 4 * a * h * dk + 2 * a * h * c + 8 * h * dk
     else:  # fp32 matmuls: each folds its 5-D operands into 3-D copies it keeps (two each),
         # fp32 outputs; kb and the scaled queries for their products with the decays
-        out += 24 * h * dk + 8 * h * c
+        rule += 24 * h * dk + 8 * h * c
     # the recurrence, per chunk: under autocast the state's casts (twice), the scores' and the
     # corrected values' (else the corrected values in fp32), and after the first chunk (whose
     # zero state needs no gradient) the resolved keys' and decayed queries'. The state update
@@ -276,11 +278,12 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     state = dk * dv / c
     update = 4 * h * state + (a * h * (dk + dv) if autocast else 0.0)
     if autocast:
-        out += 2 * a * h * state + a * h * c + a * h * dv + later * (2 * a * h * dk + update)
+        rule += 2 * a * h * state + a * h * c + a * h * dv + later * (2 * a * h * dk + update)
     else:  # the fp32 matmuls keep every chunk's state (the last one's too), the corrected
         # values and, through their chunk views, the whole scores and (from the second chunk
         # on) the decayed keys and queries
-        out += update + 4 * h * dv + 4 * h * c + (8 * h * dk if n != 1 else 0.0)
+        rule += update + 4 * h * dv + 4 * h * c + (8 * h * dk if n != 1 else 0.0)
+    out += rule * _padded(seq)  # the rule runs on the sequence padded to whole chunks
     # the gated norm: its fp32 input and rstd per head, the normalised output, its product
     # with the weight (fp32 where the weight is: autocast's fp32 parameters), silu's fp32
     # input (the gate) and output, and the output projection's input
@@ -288,7 +291,13 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     return out
 
 
-def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
+def _padded(seq: int) -> float:
+    """The chunked rule's tensors per token of ``seq``: it pads to whole chunks (1 when
+    ``seq`` is 0: long sequences)."""
+    return -(-seq // GDN_CHUNK) * GDN_CHUNK / seq if seq else 1.0
+
+
+def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> float:
     """Bytes per token of the Gated DeltaNet's batched matmul outputs, which selective
     recomputation keeps (hp-offload saves every matmul's output): the two within-chunk score
     matrices and, per chunk, the recurrence's three value-sized products and the state
@@ -296,7 +305,7 @@ def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> fl
     h, dk, c = spec.linear_num_value_heads / tp, spec.linear_key_head_dim, GDN_CHUNK
     dv = spec.linear_value_head_dim
     size = ab if autocast else 4
-    return size * h * (2 * c + 3 * dv + dk * dv / c)
+    return size * h * (2 * c + 3 * dv + dk * dv / c) * _padded(seq)
 
 
 def _gated_attention_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
@@ -359,7 +368,12 @@ def saved_bytes(
     block's input and its ffn-norm input are saved in 4 bytes, and each projection that reads
     a norm's output casts it to ``ab`` bytes itself and saves that copy (autocast caches the
     casts of parameters only): q, k and v three copies, SwiGLU's w1 and w3 two (NOTE [Saved
-    activations])."""
+    activations]).
+
+    ``seq``: the sequence length one rank runs (the whole sequence over ``cp``), which
+    Qwen3.5's Gated DeltaNet needs (its convolutions' halo, its chunks: padding, the first
+    chunk's state); 0 takes the long-sequence limit. Qwen3.5's norms are weightless
+    ``F.rms_norm`` calls, the same on both kernels: ``decomposed_norm`` does not apply."""
     mixer, moe = kind
     d = spec.dim
     stream = 4 if autocast else ab
@@ -374,7 +388,7 @@ def saved_bytes(
         n -= d / tp  # the ffn norm's input is not saved: only the block's input is
         extra += (stream - ab) * d / tp
         if mixer == "linear_attention":
-            extra += _gdn_matmul_outputs(spec, tp, ab, autocast)
+            extra += _gdn_matmul_outputs(spec, tp, ab, autocast, seq)
     else:
         extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
         extra += _RSTD * _inner_norm_rows(spec, mixer, tp)  # the mixer's norms' rstd

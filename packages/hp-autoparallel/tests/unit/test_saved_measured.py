@@ -108,7 +108,7 @@ def test_saved_bytes_per_token_match_torch(mode, arch):
     assert _measured_per_token(mode, arch) == pytest.approx(predicted)
 
 
-def _qwen35_alive(mixer, mode, n_layers, batch, regime):
+def _qwen35_alive(mixer, mode, n_layers, batch, regime, seq=2 * SEQ):
     """Bytes of the tensors a Qwen3.5 model's forward creates that outlive it: every block
     of one token mixer (``"linear_attention"`` or ``"full_attention"``), in ``regime``:
     ``"autocast"`` (fp32 parameters under bf16 autocast, the one-process trainer), ``"bf16"``
@@ -122,7 +122,7 @@ def _qwen35_alive(mixer, mode, n_layers, batch, regime):
 
     torch.manual_seed(0)
     cfg = get_config(
-        "qwen3.5-tiny", n_layers=n_layers, layer_types=(mixer,) * n_layers, max_seq_len=2 * SEQ
+        "qwen3.5-tiny", n_layers=n_layers, layer_types=(mixer,) * n_layers, max_seq_len=seq
     )
     model = Transformer(cfg)
     if regime == "bf16":
@@ -133,7 +133,7 @@ def _qwen35_alive(mixer, mode, n_layers, batch, regime):
         parallel_dims=ParallelDims(world_size=1),
         config=ParallelizeConfig(activation_checkpoint=mode, param_dtype=dtype),
     )
-    x = torch.randint(0, cfg.vocab_size, (batch, 2 * SEQ))
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
     model(x)
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
@@ -171,3 +171,22 @@ def test_qwen3_5_saved_bytes_per_token_match_torch(mixer, mode, regime):
     predicted = L.saved_bytes(spec, kind, mode, 1, 1, 1, ab, autocast, False, 2 * SEQ)
     loose = mixer == "linear_attention" and mode == "none" and regime != "autocast"
     assert measured == pytest.approx(predicted, rel=0.03 if loose else 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_gated_deltanet_padded_to_whole_chunks(mode):
+    """A sequence of 100 tokens: the chunked rule pads it to two chunks of 64 (its tensors
+    are 1.28x the tokens' worth), under autocast."""
+
+    def per_block(batch):
+        (big, cfg), (small, _) = (
+            _qwen35_alive("linear_attention", mode, n, batch, "autocast", 100) for n in (3, 1)
+        )
+        return (big - small) / 2, cfg
+
+    (one, cfg), (three, _) = per_block(1), per_block(3)
+    measured = (three - one) / (2 * 100)
+    spec = spec_from_config(cfg, name="qwen3.5-measured-padded")
+    kind = L.kind_of(spec, 0)
+    predicted = L.saved_bytes(spec, kind, mode, 1, 1, 1, 2, True, False, 100)
+    assert measured == pytest.approx(predicted, rel=1e-6)
