@@ -55,8 +55,6 @@ def _config(n_layers, arch="llama"):
 
 def _alive_after_forward(mode, n_layers, batch, arch="llama"):
     """Bytes of the tensors the model's forward creates that outlive it."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
     from hp_trainer import ParallelDims
     from hp_trainer._parallelize import ParallelizeConfig, parallelize_llama
@@ -72,8 +70,16 @@ def _alive_after_forward(mode, n_layers, batch, arch="llama"):
         parallel_dims=ParallelDims(world_size=1),
         config=ParallelizeConfig(activation_checkpoint=mode, param_dtype=torch.bfloat16),
     )
-    x = torch.randint(0, VOCAB, (batch, SEQ))
-    model(x)  # warm-up (lazy state outside the measured forward)
+    return _outliving_forward(model, torch.randint(0, VOCAB, (batch, SEQ)))
+
+
+def _outliving_forward(model, x):
+    """Bytes of the tensors ``model(x)``'s forward creates that are still alive after it
+    (a warm-up forward first: lazy state stays outside the measured one)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    model(x)
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
     ) as prof:
@@ -113,8 +119,6 @@ def _qwen35_alive(mixer, mode, n_layers, batch, regime, seq=2 * SEQ):
     of one token mixer (``"linear_attention"`` or ``"full_attention"``), in ``regime``:
     ``"autocast"`` (fp32 parameters under bf16 autocast, the one-process trainer), ``"bf16"``
     (bf16 parameters and activations, as FSDP's mixed precision runs them) or ``"fp32"``."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
     from hp_trainer import ParallelDims
     from hp_trainer._parallelize import ParallelizeConfig, parallelize_llama
@@ -133,20 +137,7 @@ def _qwen35_alive(mixer, mode, n_layers, batch, regime, seq=2 * SEQ):
         parallel_dims=ParallelDims(world_size=1),
         config=ParallelizeConfig(activation_checkpoint=mode, param_dtype=dtype),
     )
-    x = torch.randint(0, cfg.vocab_size, (batch, seq))
-    model(x)
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        out = model(x)
-    created = {}
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            created[key] = size
-        elif action == Action.DESTROY:
-            created.pop(key, None)
-    del out
-    return sum(created.values()), cfg
+    return _outliving_forward(model, torch.randint(0, cfg.vocab_size, (batch, seq))), cfg
 
 
 @pytest.mark.parametrize("regime", ["autocast", "bf16", "fp32"])
