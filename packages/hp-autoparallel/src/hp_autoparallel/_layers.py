@@ -186,17 +186,13 @@ def _mixer_elements(spec: ModelSpec, mixer: str, mode: str, tp: int, ab: int) ->
         nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
         key, value = nk * spec.linear_key_head_dim, nv * spec.linear_value_head_dim
         proj = (2 * key + 2 * value + 2 * nv) / tp
-        if mode == "selective":
-            return d / tp + proj + d
-        return d / tp + d + proj + (2 * key + value) / tp + 3 * value / tp
+        return d / tp + proj + d  # selective (without it: _qwen35_saved)
     rows = 2 * h if mixer == "gated_attention" else h  # Qwen3.5: query and gate rows
     if mode == "selective":
         return d / tp + (rows + 2 * kv) * hd / tp + d + h * hd / tp + lse
-    n = d / tp + d + (h + 2 * kv) * hd / tp + h * hd / tp + lse
+    n = d / tp + d + (h + 2 * kv) * hd / tp + h * hd / tp + lse  # (Qwen3.5's: _qwen35_saved)
     if spec.qk_norm:
         n += (h + kv) * hd / tp
-    if mixer == "gated_attention":
-        n += 2 * h * hd / tp
     return n
 
 
@@ -391,10 +387,11 @@ def saved_bytes(
             extra += _gdn_matmul_outputs(spec, tp, ab, autocast, seq)
     else:
         extra += 2 * (stream - ab) * d / tp + 2 * _RSTD / tp  # the norms' inputs, rstd
-        extra += _RSTD * _inner_norm_rows(spec, mixer, tp)  # the mixer's norms' rstd
-        if decomposed_norm:
-            block, inner = _normalised(spec, mixer, tp)
-            extra += (DECOMPOSED_NORM - stream) * block + (DECOMPOSED_NORM - ab) * inner
+        inner = _inner_norms(spec, mixer, tp)
+        extra += _RSTD * sum(rows for rows, _ in inner)  # the mixer's norms' rstd
+        if decomposed_norm:  # the block's two norms on the stream, the mixer's on activations
+            extra += (DECOMPOSED_NORM - stream) * 2 * d / tp
+            extra += (DECOMPOSED_NORM - ab) * sum(rows * width for rows, width in inner)
         if autocast:
             pa, pf = _projections(spec, mixer, moe)
             extra += (pa - 1 + pf - 1) * ab * d  # one cast copy per projection
@@ -406,28 +403,16 @@ def saved_bytes(
 DECOMPOSED_NORM = 8
 
 
-def _inner_norm_rows(spec: ModelSpec, mixer: str, tp: int) -> float:
-    """RMSNorm rows per token inside the token mixer, each with its fp32 rstd saved: Qwen3's
-    q/k norms, one per query and key/value head of the rank; MLA's query and key/value latent
-    norms, whole on each tp rank."""
-    if mixer in ("attention", "gated_attention") and spec.qk_norm:
-        return (spec.n_heads + spec.n_kv_heads) / tp
+def _inner_norms(spec: ModelSpec, mixer: str, tp: int) -> list[tuple[float, int]]:
+    """The RMSNorms inside the token mixer, as ``(rows per token, width)``, each row with its
+    fp32 rstd saved: Qwen3's q/k norms, one row per query and key/value head of the rank;
+    MLA's query and key/value latent norms, whole on each tp rank."""
+    if mixer == "attention" and spec.qk_norm:
+        return [((spec.n_heads + spec.n_kv_heads) / tp, spec.head_dim)]
     if mixer == "mla":
-        return 1 + (1 if spec.q_lora_rank else 0)
-    return 0.0
-
-
-def _normalised(spec: ModelSpec, mixer: str, tp: int) -> tuple[float, float]:
-    """Elements per token the RMSNorms of one block normalise: the two block norms on the
-    residual stream (sequence-sharded); the norms inside the mixer on its activations (Qwen3's
-    q/k norms on the rank's heads, MLA's query and key/value latent norms, whole on each tp
-    rank)."""
-    inner = 0.0
-    if mixer in ("attention", "gated_attention") and spec.qk_norm:
-        inner += (spec.n_heads + spec.n_kv_heads) * spec.head_dim / tp
-    if mixer == "mla":
-        inner += spec.kv_lora_rank + (spec.q_lora_rank or 0)
-    return 2 * spec.dim / tp, inner
+        q = [(1.0, spec.q_lora_rank)] if spec.q_lora_rank else []
+        return [(1.0, spec.kv_lora_rank), *q]
+    return []
 
 
 @lru_cache(maxsize=4096)
