@@ -8,15 +8,18 @@ then, in one launch:
   (torch's MemTracker over real tensors: the live tensor bytes a rank holds at its peak);
 - the dry run: ``hp-plan dry-run TOML --ranks all --json`` in a process of its own (fake
   tensors, a fake process group of 4 ranks, one rank's view after another);
-- the prediction: ``hp_autoparallel.estimate`` with the shipped ``cpu`` calibration.
+- the prediction: ``hp_autoparallel.estimate`` with the shipped ``cpu`` calibration and cluster
+  (or ``--calibration`` / ``--cluster`` files; ``--calibrate`` runs ``hp-plan calibrate --ranks 4
+  --cluster-out`` first, in the same launch, and predicts with what it measured).
 
 It prints, per configuration, the fullest rank's real peak, the dry run's (rank by rank the
 largest difference too) and the prediction, with their errors, and the real step time (the
-median of 5 ``dry_step`` calls between barriers, after the memory steps) beside the
+median of 9 ``dry_step`` calls between barriers, after the memory steps) beside the
 predicted one. Targets: the dry run within 3% of the real run on every rank; the prediction
 within 5% of the fullest real rank and 15% of the step time.
 
     python benchmarks/autoparallel/dry_run_cpu.py [--only NAME] [--out results.json]
+        [--calibrate | --calibration FILE --cluster FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ DRY_TARGET = 3.0  # percent
 MEMORY_TARGET = 5.0  # percent
 TIME_TARGET = 15.0  # percent
 WORLD = 4
-TIMED_STEPS = 5  # the median of these, after the memory steps
+TIMED_STEPS = 9  # the median of these, after the memory steps
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,16 @@ def plan_of(case: Case):
     return plan, Workload(case.batch, case.seq)
 
 
-def write_toml(case: Case, folder: Path) -> tuple[Path, float, float]:
-    """The planner's TOML of ``case``, its predicted allocated bytes and step seconds."""
+def write_toml(
+    case: Case, folder: Path, calibration: str = "cpu", cluster: str = "cpu"
+) -> tuple[Path, float, float]:
+    """The planner's TOML of ``case``, its predicted allocated bytes and step seconds under
+    ``calibration`` and ``cluster`` (shipped kinds or files)."""
     from hp_autoparallel import estimate, load_cluster, load_gpu, model_spec, train_config
 
     plan, work = plan_of(case)
-    gpu = load_gpu("cpu")
-    est = estimate(model_spec(case.model), plan, work, gpu, load_cluster("cpu"))
+    gpu = load_gpu(calibration)
+    est = estimate(model_spec(case.model), plan, work, gpu, load_cluster(cluster))
     text = train_config(
         est,
         model=case.model,
@@ -125,12 +131,13 @@ def _real_rank(toml: str, dump: str) -> dict:
         ],
     )
     trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg), measured_steps=3)
-    times = []  # then the step's time, without the tracker: every rank starts together
+    # then the step's time, without the tracker: every rank starts together, each times its
+    # own step (a closing barrier would add its own latency); the slowest rank's is the step's
+    times = []
     for _ in range(TIMED_STEPS):
         dist.barrier()
         t0 = time.perf_counter()
         trainer.dry_step()
-        dist.barrier()
         times.append(time.perf_counter() - t0)
     return {
         "rank": dist.get_rank(),
@@ -178,9 +185,9 @@ def dry_run(toml: Path, folder: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def check(case: Case, folder: Path) -> dict:
+def check(case: Case, folder: Path, calibration: str = "cpu", cluster: str = "cpu") -> dict:
     """Real, dry and predicted for ``case``."""
-    toml, predicted, predicted_s = write_toml(case, folder)
+    toml, predicted, predicted_s = write_toml(case, folder, calibration, cluster)
     real = real_run(toml, folder)
     dry = dry_run(toml, folder)
     per_rank = []
@@ -237,14 +244,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run only the configurations whose name contains this")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--calibration", default="cpu", help="GPU calibration (kind or file)")
+    ap.add_argument("--cluster", default="cpu", help="cluster (kind or file)")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first run `hp-plan calibrate --ranks 4 --cluster-out` here and predict with "
+        "what it measured (instead of --calibration / --cluster)",
+    )
     args = ap.parse_args(argv)
     cases = [c for c in CASES if not args.only or args.only in c.name]
     if not cases:
         ap.error(f"--only {args.only!r} matches no configuration")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.calibrate:
+            args.calibration, args.cluster = f"{tmp}/cpu.toml", f"{tmp}/cluster.toml"
+            cmd = [sys.executable, "-m", "hp_autoparallel", "calibrate", "--device", "cpu"]
+            cmd += ["--ranks", str(WORLD), "--out", args.calibration]
+            cmd += ["--cluster-out", args.cluster]
+            subprocess.run(cmd, check=True)
         for case in cases:
-            rows.append(check(case, Path(tmp)))
+            rows.append(check(case, Path(tmp), args.calibration, args.cluster))
             r = rows[-1]
             print(
                 f"{case.name}: real {r['real_max_bytes'] / 2**20:.2f} MiB, dry "

@@ -24,6 +24,14 @@ timed repeats after warm-up calls, with ``torch.cuda.synchronize`` around every 
   keeping every activation, less what the planner gives for the copies (the SwapManager
   timeline).
 
+- on the CPU, the host time per aten op of hp-trainer's own model (``overheads.host_us_per_op``,
+  NOTE [Host ops] in ``_layers``): the forward, loss and backward of ``llama3-tiny`` on 16
+  tokens over the ops a ``TorchDispatchMode`` counts in it (the op's kernel is in it too, a few
+  percent of a tiny GEMM's time, which the rates also count).
+
+With ``--cluster-out`` (``_calibrate_ranks``) the rates are measured by the ``--ranks`` ranks all
+at once, and their collectives and overlap go to a cluster file.
+
 Selective recomputation's host time and the context-parallel constants are not measured by
 this version (nor, off CUDA, swap's): they are copied from the shipped file of the
 same kind (or the nearest), and the written file says so field by field. The file is TOML that
@@ -79,6 +87,11 @@ class Calibration:
 # -- timing ---------------------------------------------------------------------------------------
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in MiB, or KiB below one MiB (the provenance comments)."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
 def _sync(device) -> None:
     import torch
 
@@ -86,8 +99,13 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls, synchronised."""
+def _median_time(
+    fn: Callable[[], object], device, *, warmup: int, repeats: int, min_s: float = 0.0
+) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` samples after ``warmup`` calls, synchronised.
+    A sample calls ``fn`` until ``min_s`` seconds have passed (once at least) and counts the
+    mean: ranks that share cores are measured over many of the scheduler's time slices, not
+    inside one (where a short call runs as if alone)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -95,9 +113,14 @@ def _median_time(fn: Callable[[], object], device, *, warmup: int, repeats: int)
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        calls = 0
+        while True:
+            fn()
+            calls += 1
+            if min_s <= 0 or time.perf_counter() - t0 >= min_s:
+                break
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -114,6 +137,8 @@ class _Sizes:
     trainer: tuple[str, dict, int, int] | None  # (model, config overrides, batch, seq)
     warmup: int
     repeats: int
+    #: the shortest timed sample (``_median_time``'s ``min_s``): 0 alone, longer on shared ranks
+    min_sample_s: float = 0.0
 
 
 # the 1.3B anchor (dim 2048, ffn 5632, vocab 32000) and Llama-3.2-1B (dim 2048, 8 key/value
@@ -130,6 +155,16 @@ _GPU_MATMULS = (
     (8192, 2048, 8192, 16),  # w2 (1B)
     (8192, 32000, 2048, 1),  # output (1.3B)
     (8192, 128256, 2048, 1),  # output (1B)
+)
+# (m, n, k, times per step) of llama3-tiny's and qwen3-tiny's GEMMs at 512 tokens (2 blocks each)
+_CPU_MATMULS = (
+    (512, 64, 64, 2 * 2 + 2 * 2),  # wq / wo (llama3-tiny), wk / wv (qwen3-tiny)
+    (512, 32, 64, 2 * 2),  # wk / wv (llama3-tiny)
+    (512, 128, 64, 2),  # wq (qwen3-tiny)
+    (512, 64, 128, 2),  # wo (qwen3-tiny)
+    (512, 160, 64, 2 * 2 * 2),  # w1 / w3
+    (512, 64, 160, 2 * 2),  # w2
+    (512, 256, 64, 2),  # output
 )
 # the trainer model of the fragmentation measurement: RESULTS.md's mid-size shape
 _FRAG_MODEL = dict(
@@ -165,13 +200,16 @@ _SIZES = {
         warmup=2,
         repeats=3,
     ),
+    # the models the planner is checked on with CPU ranks (hp-trainer's llama3-tiny, qwen3-tiny,
+    # qwen3-moe-tiny: width 64, 512 tokens per rank), whose kernels are short enough that each
+    # call's dispatch is part of its rate, as it is of theirs
     ("cpu", False): _Sizes(
-        matmuls=((512, 512, 512), (1024, 1024, 1024), (1024, 2816, 1024)),
-        attention=((1, 8, 1024, 32), (1, 4, 1024, 128)),
-        grouped=(2048, 8, 256, 512),
-        copy_bytes=16 << 20,
-        host_bytes=16 << 20,
-        optimizer=(8, 512, 512),
+        matmuls=_CPU_MATMULS,
+        attention=((2, 4, 256, 16), (2, 4, 256, 32)),
+        grouped=(1024, 8, 64, 32),
+        copy_bytes=512 << 10,
+        host_bytes=512 << 10,
+        optimizer=(24, 64, 160),
         trainer=None,
         warmup=2,
         repeats=5,
@@ -202,7 +240,13 @@ def _matmul(cal: Calibration, s: _Sizes, device, dtype) -> None:
         count = times[0] if times else 1
         x = torch.randn(m, k, device=device, dtype=dtype)
         w = torch.randn(n, k, device=device, dtype=dtype)
-        t = _median_time(lambda x=x, w=w: x @ w.t(), device, warmup=s.warmup, repeats=s.repeats)
+        t = _median_time(
+            lambda x=x, w=w: x @ w.t(),
+            device,
+            warmup=s.warmup,
+            repeats=s.repeats,
+            min_s=s.min_sample_s,
+        )
         f = 2.0 * m * n * k
         flops, secs = flops + count * f, secs + count * t
         parts.append(f"{m}x{n}x{k} (x{count}) {f / t / 1e12:.3g}")
@@ -233,7 +277,7 @@ def _attention(cal: Calibration, s: _Sizes, device, dtype) -> None:
             (dq, dk, dv) = torch.autograd.grad(out, (q, k, v), g)
             return dq
 
-        t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+        t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s)
         f = 3.5 * (b * seq) * seq * h * (2 * hd)  # forward t x seq x h x (qk + v), x 3.5
         flops, secs = flops + f, secs + t
         parts.append(f"{b}x{seq} tokens {h} heads of {hd} {f / t / 1e12:.3g}")
@@ -264,7 +308,7 @@ def _grouped(cal: Calibration, s: _Sizes, device, dtype) -> None:
         out = grouped_mm(x, w, offsets)
         return torch.autograd.grad(out, (x, w), g)
 
-    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s)
     f = 3 * 2.0 * per * experts * d_in * d_out
     cal.set(
         "rates",
@@ -281,13 +325,15 @@ def _bandwidth(cal: Calibration, s: _Sizes, device) -> None:
     n = s.copy_bytes // 4
     src = torch.empty(n, device=device, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), device, warmup=s.warmup, repeats=s.repeats)
+    t = _median_time(
+        lambda: dst.copy_(src), device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s
+    )
     bw = 2 * s.copy_bytes / t
     cal.set(
         "rates",
         "memory_gbps",
         bw / 1e9,
-        f"measured: a {s.copy_bytes >> 20} MiB device copy, bytes read + written",
+        f"measured: a {_size(s.copy_bytes)} device copy, bytes read + written",
     )
     if device.type != "cuda":
         cal.set(
@@ -301,16 +347,24 @@ def _bandwidth(cal: Calibration, s: _Sizes, device) -> None:
     host = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
     dev = torch.empty(n, device=device, dtype=torch.float32)
     t_in = _median_time(
-        lambda: dev.copy_(host, non_blocking=True), device, warmup=s.warmup, repeats=s.repeats
+        lambda: dev.copy_(host, non_blocking=True),
+        device,
+        warmup=s.warmup,
+        repeats=s.repeats,
+        min_s=s.min_sample_s,
     )
     t_out = _median_time(
-        lambda: host.copy_(dev, non_blocking=True), device, warmup=s.warmup, repeats=s.repeats
+        lambda: host.copy_(dev, non_blocking=True),
+        device,
+        warmup=s.warmup,
+        repeats=s.repeats,
+        min_s=s.min_sample_s,
     )
     cal.set(
         "rates",
         "host_link_gbps",
         s.host_bytes / max(t_in, t_out) / 1e9,
-        f"measured: pinned {s.host_bytes >> 20} MiB copies, the slower direction: "
+        f"measured: pinned {_size(s.host_bytes)} copies, the slower direction: "
         f"host-to-device {s.host_bytes / t_in / 1e9:.1f}, device-to-host "
         f"{s.host_bytes / t_out / 1e9:.1f} GB/s",
     )
@@ -329,12 +383,18 @@ def _elementwise(cal: Calibration, s: _Sizes, device, dtype) -> None:
     a = torch.empty(n, device=device, dtype=dtype).uniform_()
     b = torch.empty_like(a).uniform_()
     t_swiglu = _median_time(
-        lambda a=a, b=b: F.silu(a) * b, device, warmup=s.warmup, repeats=s.repeats
+        lambda a=a, b=b: F.silu(a) * b,
+        device,
+        warmup=s.warmup,
+        repeats=s.repeats,
+        min_s=s.min_sample_s,
     )
     m = s.copy_bytes // 2 // 4
     x = torch.empty(m, device=device, dtype=torch.float32).uniform_()
     y = torch.empty_like(x).uniform_()
-    t_add = _median_time(lambda x=x, y=y: x + y, device, warmup=s.warmup, repeats=s.repeats)
+    t_add = _median_time(
+        lambda x=x, y=y: x + y, device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s
+    )
     swiglu, add = 5 * n * size, 3 * m * 4
     dname = str(dtype).replace("torch.", "")
     cal.set(
@@ -342,7 +402,7 @@ def _elementwise(cal: Calibration, s: _Sizes, device, dtype) -> None:
         "elementwise_gbps",
         (swiglu + add) / (t_swiglu + t_add) / 1e9,
         f"measured: {dname} silu(a) * b ({swiglu / t_swiglu / 1e9:.1f} GB/s) and a float32 "
-        f"a + b ({add / t_add / 1e9:.1f} GB/s) over {s.copy_bytes >> 21} MiB operands, bytes "
+        f"a + b ({add / t_add / 1e9:.1f} GB/s) over {_size(s.copy_bytes // 2)} operands, bytes "
         "read + written by each kernel as the planner counts them, over the two kernels' time",
     )
 
@@ -369,7 +429,7 @@ def _optimizer(cal: Calibration, s: _Sizes, device) -> None:
         clip_grad_norm_(params, 1.0)
         opt.step()
 
-    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats)
+    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s)
     n = count * r * c
     cal.set(
         "rates",
@@ -377,6 +437,51 @@ def _optimizer(cal: Calibration, s: _Sizes, device) -> None:
         32 * n / t / 1e9,
         f"measured: {what} over {count} fp32 tensors of {r}x{c} ({n / 1e6:.3g} M parameters), "
         "as the planner's 32 bytes per parameter per step",
+    )
+
+
+def _host_per_op(cal: Calibration, s: _Sizes, device) -> None:
+    """Host seconds per aten op of hp-trainer's own code where the device is the host (NOTE
+    [Host ops] in ``_layers``): the forward, loss and backward of ``llama3-tiny`` on 16 tokens
+    (kernels of microseconds: the time is dispatch, autograd and the model's Python), over the
+    aten ops a ``TorchDispatchMode`` counts in one such pass. Not on CUDA, where the host runs
+    ahead of the kernels (not modelled)."""
+    if device.type == "cuda":
+        return
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hp_trainer.models import Transformer, get_config
+
+    torch.manual_seed(0)
+    model = Transformer(get_config("llama3-tiny"))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 17))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    step()
+    counter = _Count()
+    with counter:
+        step()
+    t = _median_time(step, device, warmup=s.warmup, repeats=s.repeats, min_s=s.min_sample_s)
+    cal.set(
+        "overheads",
+        "host_us_per_op",
+        t / counter.ops * 1e6,
+        f"measured: hp_trainer's llama3-tiny forward, loss and backward on 16 tokens, "
+        f"{1e3 * t:.2f} ms over the {counter.ops} aten ops a TorchDispatchMode counts in it",
     )
 
 
@@ -638,11 +743,15 @@ def calibrate(
     device: str | None = None,
     ranks: int | None = None,
     log: Callable[[str], None] | None = None,
+    together=None,
 ) -> Calibration:
     """Measure this machine's calibration (module docstring). ``device`` is ``"cuda"`` or
     ``"cpu"`` (default: CUDA when available); ``quick`` uses tiny sizes and few repeats (a
     smoke test, seconds on a CPU); ``ranks`` is how many ranks share the host's memory (default:
-    the GPUs of the host, or 4 CPU ranks). ``log`` gets a line per measurement."""
+    the GPUs of the host, or 4 CPU ranks). ``log`` gets a line per measurement. ``together``, a
+    :class:`~hp_autoparallel._calibrate_ranks.RankMeasurements`, supplies the rates as the
+    ranks measured them all at once (``hp-plan calibrate --cluster-out``) instead of this one
+    process alone."""
     import torch
 
     if not isinstance(quick, bool):
@@ -675,13 +784,21 @@ def calibrate(
     if device == "cpu":
         torch.set_num_threads(1)  # one thread per CPU rank, as the shipped cpu file
     try:
-        steps = (
+        rates = (
             ("matmul", lambda: _matmul(cal, s, dev, dtype)),
             ("attention", lambda: _attention(cal, s, dev, dtype)),
             ("grouped GEMM", lambda: _grouped(cal, s, dev, dtype)),
             ("bandwidths", lambda: _bandwidth(cal, s, dev)),
             ("element-wise kernels", lambda: _elementwise(cal, s, dev, dtype)),
             ("optimizer", lambda: _optimizer(cal, s, dev)),
+            ("host dispatch", lambda: _host_per_op(cal, s, dev)),
+        )
+        if together is not None:  # measured on the ranks at once: taken as they are
+            for (section, key), (value, how) in together.rates.items():
+                cal.set(section, key, value, how)
+            rates = ()
+        steps = (
+            *rates,
             ("memory", lambda: _device_memory(cal, dev, ranks)),
             ("allocator", lambda: _trainer_memory(cal, s, dev, base)),
         )
@@ -744,10 +861,20 @@ _LAYOUT = (
     ),
     (
         "overheads",
-        ("selective_ms_per_layer", "swap_ms_per_layer", "cp_step_us", "cp_merge_bytes_per_element"),
+        (
+            "selective_ms_per_layer",
+            "swap_ms_per_layer",
+            "cp_step_us",
+            "cp_merge_bytes_per_element",
+            "host_us_per_op",
+        ),
     ),
     ("memory", ("fragmentation", "runtime_reserve_gib", "host_memory_gib")),
 )
+
+
+#: fields a calibration may lack (``host_us_per_op``: not measured on CUDA)
+_OPTIONAL = ("host_us_per_op",)
 
 
 def _wrap(text: str, width: int = 96) -> list[str]:
@@ -797,6 +924,8 @@ def render(cal: Calibration) -> str:
             lines.append(f'rms_norm = "{cal.rms_norm}"')
         for key in keys:
             m = cal.fields.get((section, key))
+            if m is None and key in _OPTIONAL:
+                continue
             if m is None:
                 raise CalibrationError(f"calibrate: {section}.{key} was not measured")
             lines += _wrap(m.how)
@@ -820,19 +949,60 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--device", choices=("cuda", "cpu"), help="default: CUDA when available")
     ap.add_argument("--ranks", type=int, help="ranks sharing the host's memory")
+    ap.add_argument(
+        "--cluster-out",
+        help="also launch the --ranks ranks (gloo on CPU, NCCL on CUDA), measure the rates on "
+        "all of them at once and their collectives, and write this cluster file",
+    )
     args = ap.parse_args(argv)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        together = None
+        if args.cluster_out:
+            import torch
+
+            from ._calibrate_ranks import measure_ranks
+
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if device == "cuda" and not torch.cuda.is_available():
+                raise CalibrationError(
+                    "calibrate: --device cuda but torch sees no CUDA device: use --device cpu"
+                )
+            ranks = args.ranks
+            if ranks is None:
+                ranks = torch.cuda.device_count() if device == "cuda" else 4
+            t0 = time.perf_counter()
+            together = measure_ranks(ranks, device=device, quick=args.quick)
+            log(f"calibrate: {ranks} ranks measured together in {time.perf_counter() - t0:.1f} s")
         cal = calibrate(
             quick=args.quick,
             device=args.device,
             ranks=args.ranks,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
+            log=log,
+            together=together,
         )
         out = Path(args.out or f"{cal.name}_calibrated.toml")
         if out.parent and not out.parent.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(render(cal))
         loaded = GpuCalibration.from_toml(out)  # the file reads back with the package's loader
+        if together is not None:
+            from ._calibrate_ranks import render_cluster
+            from ._hardware import Cluster
+
+            cpath = Path(args.cluster_out)
+            if cpath.parent and not cpath.parent.exists():
+                cpath.parent.mkdir(parents=True, exist_ok=True)
+            import torch
+
+            per_node = torch.cuda.device_count() if together.backend == "nccl" else together.ranks
+            text = render_cluster(
+                together, kind=cal.name, device_name=cal.device, gpus_per_node=per_node
+            )
+            cpath.write_text(text)
+            cl = Cluster.from_toml(cpath)  # reads back with the package's loader
+            print(f"hp-plan calibrate: cluster {cl.describe()}, overlap {cl.overlap:.2f}")
+            print(f"wrote {cpath}")
     except CalibrationError as e:
         print(f"hp-plan calibrate: {e}", file=sys.stderr)
         return 2

@@ -72,11 +72,18 @@ NOTE [Where time goes]
   the file has none).
 - Exposed communication: tensor-parallel all-gathers / reduce-scatters (sequence parallelism)
   and the logits' all-gather sit on the critical path (hp-trainer's default is not async TP);
-  the context-parallel ring runs unoverlapped (``ContextParallel``); expert all-to-alls too.
+  the context-parallel ring runs unoverlapped (``ContextParallel``); expert all-to-alls too
+  (per MoE block two of tokens and two of routed counts forward, two and one backward).
   FSDP's all-gather of block i overlaps block i-1's forward (the first is exposed), its
   reduce-scatter the next block's backward; the last reduce-scatters and the root's are
-  exposed. Under a pipeline the once-per-step gather and reduction are exposed, and the
-  bubble comes from the schedule (closed form, or hp-pipeline's simulator).
+  exposed. Overlap hides ``cluster.overlap`` of what fits under the compute (1 on NCCL; about
+  0 for gloo on CPU ranks that share their cores: NOTE [Collectives]). Under a pipeline the
+  once-per-step gather and reduction are exposed, and the bubble comes from the schedule
+  (closed form, or hp-pipeline's simulator). Gradient clipping all-reduces the norm (a
+  scalar) over a stage's ranks, and under a pipeline over the stages: latency only.
+- Host dispatch (NOTE [Host ops] in ``_layers``): where the calibration prices it (CPU
+  ranks, whose device is the host), each block's and the step's aten ops times its
+  ``host_us_per_op``, forward and backward, a recomputed forward's again.
 - Recomputation runs a block's forward again in backward (its collectives too); selective
   recomputes the element-wise work and a MoE's experts, plus the calibration's per-block
   host overhead; swap adds what hp_offload's SwapManager timeline gives (one copy at a time
@@ -86,7 +93,8 @@ NOTE [Where time goes]
   parameter) at the calibration's optimizer rate (``rates.optimizer_gbps``, measured by
   ``hp-plan calibrate``; the memory bandwidth where the file has none).
 Not modelled yet: contention between collectives sharing a link, GEMMs slowed by concurrent
-communication kernels, host-bound steps (many small kernels), load imbalance between experts.
+communication kernels, host-bound GPU steps (host work that runs ahead of the kernels), load
+imbalance between experts.
 """
 
 from __future__ import annotations
@@ -108,6 +116,10 @@ _STATE = 16  # fp32 parameter, gradient and two AdamW moments per sharded parame
 _OPT_BYTES = 32  # AdamW + clipping traffic per sharded parameter
 _ADAM_TEMP = 4  # foreach AdamW's fp32 sqrt(exp_avg_sq) of every parameter, during the step
 _RSTD = 4  # fp32 reciprocal RMS per token an RMSNorm saves
+#: all-to-alls of one MoE block under expert parallelism, (tokens, routed counts) in the forward
+#: (dispatch and combine, each preceded by an exchange of counts) and in the backward (the two
+#: token exchanges reversed, one of counts), as hp-moe runs them (tests/unit/test_host_ops.py)
+EP_ALL_TO_ALLS = ((2, 2), (2, 1))
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,8 @@ class StepTime:
     optimizer: float
     swap: float
     simulated: bool = False
+    #: the host's dispatch of every aten op, where it adds to the step (NOTE [Host ops])
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -189,6 +203,7 @@ class StepTime:
             + self.fsdp_exposed
             + self.optimizer
             + self.swap
+            + self.host
         )
 
     def rows(self) -> list[tuple[str, float]]:
@@ -204,6 +219,7 @@ class StepTime:
             ("FSDP exposed", self.fsdp_exposed),
             ("optimizer", self.optimizer),
             ("swap", self.swap),
+            ("host dispatch", self.host),
         ]
 
     def biggest_overhead(self) -> tuple[str, float]:
@@ -273,11 +289,12 @@ def _autocast(plan: Plan, ab: int) -> bool:
 
 class _Ctx:
     """What every block of one microbatch shape shares: the tokens, the degrees that shape a
-    block's work, the hardware. Does not depend on the data-parallel degrees, so stage costs
-    are shared (cached) between plans that differ only there."""
+    block's work, the hardware. Depends on the data-parallel degrees only through whether FSDP
+    applies, so stage costs are shared (cached) between plans that differ only there."""
 
-    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster, autocast=False):
+    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster, autocast=False, fsdp=True):
         self.spec, self.gpu, self.cluster = spec, gpu, cluster
+        self.fsdp = fsdp  # the blocks are FSDP groups (their hooks' ops: NOTE [Host ops])
         self.tokens, self.seq = tokens, seq
         self.tp, self.cp, self.ep, self.etp = tp, cp, ep, etp
         self.ab = gpu.act_bytes
@@ -290,14 +307,15 @@ class _Ctx:
         return self.cluster.collective(kind, size, stride, nbytes)
 
 
-_FIELDS = ("f", "fc", "bi", "bw", "recompute", "tp", "cp", "ep", "swap")
+_FIELDS = ("f", "fc", "bi", "bw", "recompute", "tp", "cp", "ep", "swap", "hf", "hb")
 
 
 @dataclass
 class _Acc:
     """Seconds of one microbatch on one stage (or rank), by cause. ``f`` forward compute, ``fc``
     the forward's exposed collectives (also counted in ``tp`` / ``cp`` / ``ep``), ``bi`` / ``bw``
-    input- / weight-gradient compute."""
+    input- / weight-gradient compute, ``hf`` / ``hb`` the host's dispatch in the forward /
+    backward (NOTE [Host ops] in ``_layers``: 0 unless the calibration prices it)."""
 
     f: float = 0.0
     fc: float = 0.0
@@ -308,16 +326,29 @@ class _Acc:
     cp: float = 0.0
     ep: float = 0.0
     swap: float = 0.0
+    hf: float = 0.0
+    hb: float = 0.0
 
     @property
     def forward(self) -> float:
-        """The forward pass, collectives included."""
-        return self.f + self.fc
+        """The forward pass, collectives and host dispatch included."""
+        return self.f + self.fc + self.hf
 
     @property
     def total(self) -> float:
         """Forward and backward."""
-        return self.f + self.bi + self.bw + self.recompute + self.tp + self.cp + self.ep + self.swap
+        return (
+            self.f
+            + self.bi
+            + self.bw
+            + self.recompute
+            + self.tp
+            + self.cp
+            + self.ep
+            + self.swap
+            + self.hf
+            + self.hb
+        )
 
     def add(self, other: _Acc) -> None:
         for name in _FIELDS:
@@ -359,10 +390,14 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
         )
         cp_f = (cp - 1) * shift + merge / 3
         cp_b = 2 * (cp - 1) * shift + 2 * merge / 3
-    ep_f = 0.0
+    ep_f = ep_b = 0.0
     if w.a2a_bytes and ep > 1:
-        ep_f = 2 * c.coll("all_to_all", ep, c.ep_stride, w.a2a_bytes)
-    ep_b = ep_f
+        data = c.coll("all_to_all", ep, c.ep_stride, w.a2a_bytes)
+        # the routed counts each rank sends (int64 per expert): latency
+        counts = c.coll("all_to_all", ep, c.ep_stride, 8 * spec.num_experts)
+        (fd, fc), (bd, bc) = EP_ALL_TO_ALLS
+        ep_f = fd * data + fc * counts
+        ep_b = bd * data + bc * counts
     rec = 0.0
     if mode == "full":
         rec = f + tp_f + cp_f + ep_f
@@ -370,6 +405,12 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
         moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / rate
         rec = t_el + t_cast + moe + tp_f + ep_f + gpu.selective_overhead
     # swap: its time is the stage's, from the copy timeline (_swap_time)
+    ops_f, ops_b = L.block_ops(spec, kind, c.seq // cp, c.fsdp)
+    if mode == "full":  # the forward's ops again in backward
+        ops_b += ops_f
+    hf, hb = ops_f * gpu.host_per_op, ops_b * gpu.host_per_op
+    acc.hf += count * hf
+    acc.hb += count * hb
     acc.f += count * f
     acc.fc += count * (tp_f + cp_f + ep_f)
     acc.bi += count * bi
@@ -378,7 +419,7 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     acc.tp += count * (tp_f + tp_b)
     acc.cp += count * (cp_f + cp_b)
     acc.ep += count * (ep_f + ep_b)
-    return f + tp_f + cp_f + ep_f, bi + bw + rec + tp_b + cp_b + ep_b
+    return f + tp_f + cp_f + ep_f + hf, bi + bw + rec + tp_b + cp_b + ep_b + hb
 
 
 def _swapped_bytes(
@@ -456,6 +497,9 @@ def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
     cast = L.CAST_BYTES * d * v / tp / rate if c.autocast else 0.0  # the output weight's
     acc.f += depths * (mm + t * el_f / rate) + cast
     acc.bi += depths * (mm + t * el_b / rate) + cast
+    ops_f, ops_b = L.rest_ops(spec, c.fsdp)
+    acc.hf += ops_f * gpu.host_per_op
+    acc.hb += ops_b * gpu.host_per_op
     acc.bw += depths * mm
     if tp > 1:
         ag_in = c.coll("all_gather", tp, 1, t * d * c.ab)
@@ -595,7 +639,7 @@ class Evaluator:
         first, last = s == 0, s == layout.n_stages - 1
         autocast = _autocast(plan, self.ab)
         key = (lo, hi, first, last, plan.recompute, tokens, plan.tp, plan.cp, plan.ep, plan.etp)
-        key += (autocast,)
+        key += (autocast, plan.fsdp)
         hit = self._stages.get(key)
         if hit is None:
             c = _Ctx(
@@ -609,6 +653,7 @@ class Evaluator:
                 self.gpu,
                 self.cluster,
                 autocast,
+                plan.fsdp,
             )
             acc = _Acc()
             per_kind = {}
@@ -668,9 +713,14 @@ class Evaluator:
         pairs = dict(L.kind_pairs(spec, lo, hi))
         if spec.mtp_layers:  # MTP blocks run after the last block, each its own group
             pairs[(last, last)] = pairs.get((last, last), 0) + spec.mtp_layers
+        o = self.cluster.overlap
+
+        def shows(comm: float, compute: float) -> float:  # what shows of comm under compute
+            return comm - o * min(comm, compute)
+
         for (prev, cur), n in pairs.items():
-            exposed += n * max(0.0, times[cur][0] - per_kind[prev][0])  # gather ahead
-            exposed += n * max(0.0, times[prev][0] + times[cur][1] - per_kind[cur][1])
+            exposed += n * shows(times[cur][0], per_kind[prev][0])  # gather ahead
+            exposed += n * shows(times[prev][0] + times[cur][1], per_kind[cur][1])
         return plan.microbatches * exposed
 
     def _saved_per_stage(self, layout, rank: _Rank, plan: Plan, tokens: int):
@@ -731,7 +781,7 @@ class Evaluator:
         m = plan.microbatches
         worst = None
         slowest = None
-        fsdp_t = opt_t = accumulate = 0.0
+        fsdp_t = opt_t = accumulate = step_host = 0.0
         for rank, members in self._rank_groups(layout, plan.pp):
             if plan.pp > 1:
                 if held is not None:
@@ -753,6 +803,7 @@ class Evaluator:
                 per_kind = self._stage(layout, rank.stages[0], plan, tokens)[1]
                 fsdp_t = max(fsdp_t, self._fsdp(layout, rank, plan, per_kind))
             opt_t = max(opt_t, shard * _OPT_BYTES / gpu.optimizer_rate)
+            step_host = max(step_host, self._step_ops(layout, rank, plan) * gpu.host_per_op)
             # every micro-step after the first adds into the fp32 gradients
             accumulate = max(
                 accumulate, (m - 1) * shard * L.ACCUMULATE_BYTES / gpu.elementwise_rate
@@ -775,9 +826,10 @@ class Evaluator:
             pp_bubble=bubble,
             pp_comm=transfers,
             fsdp_exposed=fsdp_t,
-            optimizer=opt_t,
+            optimizer=opt_t + self._norm_time(plan),
             swap=m * a.swap,
             simulated=pipeline_time is not None,
+            host=m * (a.hf + a.hb) + step_host,
         )
         tps = self.work.tokens / t.total / plan.world
         return Estimate(plan, worst, t, tps, tps * self._flops / gpu.peak_flops, layout)
@@ -1007,6 +1059,45 @@ class Evaluator:
             reserve=self.gpu.runtime_reserve,
             host=host,
             phase=name,
+        )
+
+    def _step_ops(self, layout, rank: _Rank, plan: Plan) -> int:
+        """Aten ops a pipeline rank dispatches once per step (NOTE [Host ops]): its blocks'
+        and, on the last stage, the rest's parameters' clipping and AdamW."""
+        spec, n = self.spec, 0
+        for s in rank.stages:
+            for kind, count in L.layer_kinds(spec, *layout.ranges[s]).items():
+                n += count * L.block_step_ops(spec, kind)
+        if rank.last:
+            n += L.rest_step_ops(spec, plan.fsdp)
+        return n
+
+    def _norm_groups(self, plan: Plan) -> list[tuple[int, int]]:
+        """(size, stride) of each all-reduce of gradient clipping's partial sums (one scalar
+        each) as hp_optim's ``clip_grad_norm_`` runs them: one per group of parameters sharing
+        a mesh and placements and per mesh dimension it is sharded over (counted on a fake
+        process group, ``tests/unit/test_host_ops.py``). None for whole parameters
+        (replication alone), one over the FSDP ranks; with tensor parallelism three over them
+        and two over tp (split weights, replicated norms); with expert parallelism two more
+        for the experts (over ep and over the experts' data-parallel ranks); under a pipeline
+        one over the stages."""
+        tp, fs = plan.tp, plan.fsdp_shard
+        ar = []
+        if plan.dp_shard * plan.cp > 1 or tp > 1 or plan.ep > 1:
+            ar.append((fs, tp))
+        if tp > 1:
+            ar += [(fs, tp), (fs, tp), (tp, 1), (tp, 1)]
+        if plan.ep > 1:
+            ar += [(plan.ep, tp * plan.cp), (max(1, plan.dp_shard // plan.ep), plan.ep * tp)]
+        if plan.pp > 1:
+            ar.append((plan.pp, plan.world // plan.pp))
+        return ar
+
+    def _norm_time(self, plan: Plan) -> float:
+        """Seconds of gradient clipping's all-reduces (``_norm_groups``): latency."""
+        cl = self.cluster
+        return sum(
+            cl.collective("all_reduce", n, stride, 4) for n, stride in self._norm_groups(plan)
         )
 
     def _transfer(self, plan: Plan, tokens: int) -> float:

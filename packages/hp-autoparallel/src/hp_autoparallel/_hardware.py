@@ -120,6 +120,10 @@ class GpuCalibration:
     #: composite of a cast to fp32, pow / mean / rsqrt and two muls, which saves its input in
     #: fp32 and also the normalised fp32 ``x * rstd``)
     rms_norm: str = "fused"
+    #: host seconds per aten op dispatched (``overheads.host_us_per_op``), where the device is
+    #: the host's own cores and this time adds to the step's (CPU ranks); 0 where host work
+    #: runs ahead of the device (CUDA: not modelled)
+    host_per_op: float = 0.0
 
     @property
     def decomposed_norm(self) -> bool:
@@ -187,6 +191,11 @@ class GpuCalibration:
                 else None
             ),
             rms_norm=norm,
+            host_per_op=(
+                num("overheads", "host_us_per_op", strict=False) * 1e-6
+                if "host_us_per_op" in (doc.get("overheads") or {})
+                else 0.0
+            ),
         )
 
     @property
@@ -245,14 +254,23 @@ def load_gpu(kind: str) -> GpuCalibration:
 # GPU's own NIC), so its bandwidth is min(intra, g x inter); an all-to-all sends (n - g)/n of
 # its bytes off the node through the ranks' own NICs. The log2 latency term stands for NCCL's
 # tree / PAT algorithms at scale; contention between collectives of different groups on one
-# link is not modelled.
+# link is not modelled. alpha is the link's ``latency_us`` unless the file gives a collective
+# its own (``<collective>_latency_us``: gloo's reduce-scatter takes 1.2-1.9x its all-gather's
+# on a shared host, as `hp-plan calibrate --cluster-out` measures).
+#
+# ``cluster.overlap`` is the fraction of a collective that runs hidden behind compute issued
+# meanwhile (FSDP's prefetched all-gathers, its reduce-scatters under the next backward): 1 for
+# NCCL on its own SMs and copy engines (the default); on CPU ranks that share their cores
+# (more ranks than cores) gloo's thread competes with the compute, and `hp-plan calibrate
+# --cluster-out` measures about 0 there.
 
 _COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link: its latency (seconds) and bus bandwidth (bytes/s) per collective."""
+    """One kind of link: its latency (seconds) and bus bandwidth (bytes/s) per collective;
+    ``latencies`` gives a collective its own latency (seconds) where it differs."""
 
     latency: float
     all_gather: float
@@ -260,10 +278,18 @@ class Link:
     all_reduce: float
     all_to_all: float
     p2p: float
+    latencies: tuple[tuple[str, float], ...] = ()
 
     def bw(self, collective: str) -> float:
         """Bus bandwidth of ``collective`` on this link."""
         return getattr(self, collective)
+
+    def alpha(self, collective: str) -> float:
+        """Latency (seconds per message, per log2 step) of ``collective`` on this link."""
+        for name, value in self.latencies:
+            if name == collective:
+                return value
+        return self.latency
 
 
 @dataclass(frozen=True)
@@ -278,6 +304,8 @@ class Cluster:
     inter: Link
     #: the process group's backend (``cluster.backend``): ``"nccl"`` or ``"gloo"``
     backend: str = "nccl"
+    #: the fraction of a collective hidden behind compute issued meanwhile (NOTE [Collectives])
+    overlap: float = 1.0
 
     @property
     def holds_sends(self) -> bool:
@@ -306,6 +334,16 @@ class Cluster:
             raise ClusterFileError(
                 f"{where}: cluster.backend = {backend!r}: use one of {list(_BACKENDS)}"
             )
+        overlap = table.get("overlap", 1.0)
+        if (
+            isinstance(overlap, bool)
+            or not isinstance(overlap, (int, float))
+            or not (0.0 <= overlap <= 1.0)
+        ):
+            raise ClusterFileError(
+                f"{where}: cluster.overlap = {overlap!r} must be a number in [0, 1] (the "
+                "fraction of a collective hidden behind compute; 1 for NCCL)"
+            )
         links = {}
         for section in ("intra_node", "inter_node"):
             latency = _number(
@@ -333,20 +371,42 @@ class Cluster:
                     if key in doc[section]
                     else base
                 ) * 1e9
-            known = ["latency_us", "bandwidth_gbps", *(f"{c}_gbps" for c in _COLLECTIVES)]
+            lat = tuple(
+                (
+                    c,
+                    _number(doc, section, f"{c}_latency_us", where, ClusterFileError, strict=False)
+                    * 1e-6,
+                )
+                for c in _COLLECTIVES
+                if f"{c}_latency_us" in doc[section]
+            )
+            known = [
+                "latency_us",
+                "bandwidth_gbps",
+                *(f"{c}_gbps" for c in _COLLECTIVES),
+                *(f"{c}_latency_us" for c in _COLLECTIVES),
+            ]
             unknown = set(doc[section]) - set(known)
             if unknown:
                 key = sorted(unknown)[0]
                 hint = nearest(key, known)
                 did = f" (did you mean {hint!r}?)" if hint else ""
                 raise ClusterFileError(f"{where}: {section}.{key} is not a known field{did}")
-            links[section] = Link(latency * 1e-6, **bw)
+            links[section] = Link(latency * 1e-6, **bw, latencies=lat)
+        known = ["name", "gpus_per_node", "backend", "overlap"]
+        unknown = set(table) - set(known)
+        if unknown:
+            key = sorted(unknown)[0]
+            hint = nearest(key, known)
+            did = f" (did you mean {hint!r}?)" if hint else ""
+            raise ClusterFileError(f"{where}: cluster.{key} is not a known field{did}")
         return cls(
             name=str(table.get("name", path.stem)),
             gpus_per_node=g,
             intra=links["intra_node"],
             inter=links["inter_node"],
             backend=backend,
+            overlap=float(overlap),
         )
 
     # -- placement ----------------------------------------------------------------------------
@@ -374,9 +434,10 @@ class Cluster:
         else:
             bw = min(self.intra.bw(kind), per_node * link.bw(kind))
         steps = math.ceil(math.log2(size))
+        alpha = link.alpha(kind)
         if kind == "all_reduce":
-            return 2 * link.latency * steps + 2 * frac * nbytes / bw
-        return link.latency * steps + frac * nbytes / bw
+            return 2 * alpha * steps + 2 * frac * nbytes / bw
+        return alpha * steps + frac * nbytes / bw
 
     def p2p(self, size: int, stride: int, nbytes: float) -> float:
         """Seconds for one transfer of ``nbytes`` between neighbours of a group of ``size``
@@ -384,7 +445,7 @@ class Cluster:
         if size <= 1 or nbytes <= 0:
             return 0.0
         link, _ = self._span(size, stride)
-        return link.latency + nbytes / link.bw("p2p")
+        return link.alpha("p2p") + nbytes / link.bw("p2p")
 
     def describe(self) -> str:
         """One line: GPUs per node and the two links' bandwidth and latency."""

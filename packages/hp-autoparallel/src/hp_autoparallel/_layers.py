@@ -92,6 +92,8 @@ __all__ = [
     "DECOMPOSED_NORM",
     "backward_transient",
     "block_elementwise",
+    "block_ops",
+    "block_step_ops",
     "down_params",
     "flops_per_token",
     "embedding_elementwise",
@@ -101,6 +103,8 @@ __all__ = [
     "kind_pairs",
     "kind_params",
     "layer_kinds",
+    "rest_ops",
+    "rest_step_ops",
     "saved_bytes",
     "work",
 ]
@@ -522,6 +526,113 @@ def head_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False):
         fwd += (s + a) * d
         bwd += (s + a) * d
     return fwd, bwd
+
+
+# NOTE [Host ops]
+# Where the device is the host's own cores (CPU ranks) every aten op's dispatch, the autograd
+# engine's work per node and the model's Python add to the step; the planner prices them as
+# ops x the calibration's ``host_us_per_op`` (measured by ``hp-plan calibrate`` on hp-trainer's
+# own model, on all ranks at once). The counts are the aten ops a ``TorchDispatchMode`` sees in
+# one ``LLMTrainer.dry_step`` of hp-trainer's models on the CPU (fp32, torch 2.13) as rank 0 of
+# a fake process group of 4 under FSDP, in three parts: forward (autograd's engine not
+# running), backward (running), and once per step (gradient clipping, AdamW, ``zero_grad``);
+# per block from the difference between 1 and 2 blocks (``tests/unit/test_host_ops.py``
+# recounts every one). Per microbatch, forward / backward:
+# - a Llama block (attention, RoPE, SwiGLU, two norms) under FSDP: 104 / 199, of which FSDP's
+#   hooks (views, copies, splits of the packed parameters and gradients) are 34 / 68;
+# - Qwen3's q / k norms add 20 / 48; a MoE feed-forward (router, top-k, permutation, grouped
+#   GEMMs, combine) instead of SwiGLU adds 36 / 41, whatever the number of experts;
+# - Qwen3.5's gated attention block 140 / 263; its Gated DeltaNet block 258 / 438 plus 39 / 54
+#   per 64-token chunk of the delta rule (the recurrence runs chunk by chunk);
+# - the rest (embedding, final norm, output, loss): 49 / 51, 3 / 3 fewer with tied embeddings,
+#   one more forward op for Qwen3.5's zero-centred final norm; FSDP's root group is 15 / 17.
+# Per step: 4 per parameter tensor (clipping's norm and scale, AdamW): a Llama block 36, q / k
+# norms 8 more, a MoE feed-forward 8 more than SwiGLU, a gated attention block 44, a Gated
+# DeltaNet block 72; the rest 38, 4 fewer with tied embeddings, 3 fewer without FSDP.
+# Full recomputation runs the forward's ops again in backward (torch's checkpoint: within 5%).
+# On real gloo ranks a block's backward has 2 more (its reduce-scatter's copy) than on the fake
+# group. Not counted yet: MLA (taken as attention), shared experts, DTensor's dispatch under TP,
+# the CP ring's steps, a pipeline's schedule; the rest is put on the last stage.
+_OPS_BLOCK = (104, 199)
+_OPS_QK_NORM = (20, 48)
+_OPS_MOE = (36, 41)
+_OPS_GATED_ATTENTION = (140, 263)
+_OPS_GDN = (258, 438)
+_OPS_GDN_CHUNK = (39, 54)
+_OPS_FSDP = (34, 68)  # what FSDP adds to a block
+_OPS_REST = (49, 51)
+_OPS_REST_TIED = (3, 3)  # what tied embeddings take away from the rest
+_OPS_REST_FSDP = (15, 17)  # what FSDP's root group adds to the rest
+# once per step
+_STEP_BLOCK = 36
+_STEP_QK_NORM = 8
+_STEP_MOE = 8
+_STEP_GATED_ATTENTION = 44
+_STEP_GDN = 72
+_STEP_REST = 38
+_STEP_REST_TIED = 4
+_STEP_REST_FSDP = 3
+
+
+def block_ops(
+    spec: ModelSpec, kind: tuple[str, bool], seq: int, fsdp: bool = True
+) -> tuple[int, int]:
+    """Aten ops one block dispatches per microbatch, forward and backward (NOTE [Host ops]);
+    ``seq`` is the sequence one rank runs (the delta rule's chunks), ``fsdp`` whether the
+    block is an FSDP group."""
+    mixer, moe = kind
+    if mixer == "gated_attention":
+        f, b = _OPS_GATED_ATTENTION
+    elif mixer == "linear_attention":
+        chunks = -(-seq // GDN_CHUNK)
+        f = _OPS_GDN[0] + chunks * _OPS_GDN_CHUNK[0]
+        b = _OPS_GDN[1] + chunks * _OPS_GDN_CHUNK[1]
+    else:
+        f, b = _OPS_BLOCK
+        if spec.qk_norm:
+            f, b = f + _OPS_QK_NORM[0], b + _OPS_QK_NORM[1]
+    if moe:
+        f, b = f + _OPS_MOE[0], b + _OPS_MOE[1]
+    if not fsdp:
+        f, b = f - _OPS_FSDP[0], b - _OPS_FSDP[1]
+    return f, b
+
+
+def block_step_ops(spec: ModelSpec, kind: tuple[str, bool]) -> int:
+    """Aten ops of one block's parameters once per step: clipping and AdamW (NOTE [Host
+    ops])."""
+    mixer, moe = kind
+    if mixer == "gated_attention":
+        n = _STEP_GATED_ATTENTION
+    elif mixer == "linear_attention":
+        n = _STEP_GDN
+    else:
+        n = _STEP_BLOCK + (_STEP_QK_NORM if spec.qk_norm else 0)
+    return n + (_STEP_MOE if moe else 0)
+
+
+def rest_ops(spec: ModelSpec, fsdp: bool = True) -> tuple[int, int]:
+    """Aten ops per microbatch outside the blocks (embedding, head, loss), forward and
+    backward (NOTE [Host ops]); ``fsdp`` whether the model is sharded."""
+    f, b = _OPS_REST
+    if spec.tie_word_embeddings:
+        f, b = f - _OPS_REST_TIED[0], b - _OPS_REST_TIED[1]
+    if spec.architecture == "qwen3_5":
+        f += 1
+    if not fsdp:
+        f, b = f - _OPS_REST_FSDP[0], b - _OPS_REST_FSDP[1]
+    return f, b
+
+
+def rest_step_ops(spec: ModelSpec, fsdp: bool = True) -> int:
+    """Aten ops once per step outside the blocks' parameters: the rest's parameters' clipping
+    and AdamW, the norm's reduction, ``zero_grad`` (NOTE [Host ops])."""
+    n = _STEP_REST
+    if spec.tie_word_embeddings:
+        n -= _STEP_REST_TIED
+    if not fsdp:
+        n -= _STEP_REST_FSDP
+    return n
 
 
 def embedding_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False) -> float:

@@ -32,6 +32,7 @@ FIELDS = {
         "swap_ms_per_layer",
         "cp_step_us",
         "cp_merge_bytes_per_element",
+        "host_us_per_op",  # on the CPU only (CUDA's host runs ahead of its kernels)
     ),
     "memory": ("fragmentation", "runtime_reserve_gib", "host_memory_gib"),
 }
@@ -174,3 +175,55 @@ def test_matmul_rate_counts_each_shape_as_often_as_a_step_runs_it(monkeypatch):
     flops = 3 * 2 * 8**3 + 1 * 2 * 16**3
     want = flops / (3 * 1.0 + 1 * 4.0) / 1e12
     assert cal.fields[("rates", "matmul_tflops")].value == pytest.approx(want)
+
+
+def test_cluster_out_measures_the_ranks_together(tmp_path, capsys):
+    """``--cluster-out`` on 2 gloo ranks (quick sizes): a cluster file the package's loader
+    reads, every collective's latency and bandwidth measured and said so, the overlap in
+    [0, 1]; the calibration's rates are the ranks' median, measured at once."""
+    from hp_autoparallel import Cluster
+
+    cal_path, cl_path = tmp_path / "cpu.toml", tmp_path / "sub" / "cluster.toml"
+    argv = ["calibrate", "--quick", "--device", "cpu", "--ranks", "2", "--out", str(cal_path)]
+    assert main([*argv, "--cluster-out", str(cl_path)]) == 0
+    assert f"wrote {cl_path}" in capsys.readouterr().out
+    cl = Cluster.from_toml(cl_path)
+    assert cl.backend == "gloo" and cl.gpus_per_node == 2 and 0.0 <= cl.overlap <= 1.0
+    text = cl_path.read_text()
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"):
+        assert cl.intra.alpha(kind) >= 0 and cl.intra.bw(kind) > 0
+        assert f"# measured: {kind} (" in text
+    assert "not measured (one host)" in text
+    cal = GpuCalibration.from_toml(cal_path)
+    assert cal.host_per_op > 0
+    assert "the median over 2 ranks measuring at once" in cal_path.read_text()
+
+
+def test_cluster_out_needs_two_ranks(tmp_path, capsys):
+    argv = ["calibrate", "--quick", "--device", "cpu", "--ranks", "1"]
+    assert main([*argv, "--cluster-out", str(tmp_path / "c.toml")]) == 2
+    assert "needs --ranks >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "c.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "kind", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"]
+)
+def test_the_fit_recovers_the_alpha_beta_line(kind):
+    """Two points on NOTE [Collectives]' line give back its latency and bandwidth; a large
+    message timed faster than a small one (noise) still gives a positive bandwidth."""
+    from hp_autoparallel._calibrate_ranks import _fit
+    from hp_autoparallel._hardware import Cluster, Link
+
+    alpha, bw, n = 300e-6, 2e9, 4
+    link = Link(alpha, bw, bw, bw, bw, bw)
+    cl = Cluster("t", n, link, link)
+    sizes = (4096, 4 << 20)
+    if kind == "p2p":
+        times = tuple(cl.p2p(2, 1, m) for m in sizes)
+    else:
+        times = tuple(cl.collective(kind, n, 1, m) for m in sizes)
+    a, b = _fit(kind, n, sizes, times)
+    assert a == pytest.approx(alpha) and b == pytest.approx(bw)
+    a, b = _fit(kind, n, sizes, (times[1], times[0]))
+    assert a >= 0 and b > 0

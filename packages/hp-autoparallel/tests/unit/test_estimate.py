@@ -369,10 +369,12 @@ def test_expert_all_to_all_by_hand():
     plan = Plan(1, 8, ep=8, microbatches=4)  # 64 / 8 = 8 sequences per rank, 2 per microbatch
     est = estimate(MOE, plan, Workload(64, 2048), GPU, Cluster("t", 8, link, link))
     tokens = 2 * 2048
-    # dispatch and combine forward, their adjoints backward: 4 all-to-alls per MoE block and
-    # microbatch, each sending top_k copies of every token, 7/8 of them to other ranks
+    # dispatch and combine forward, their adjoints backward: 4 all-to-alls of tokens per MoE
+    # block and microbatch, each sending top_k copies of every token, 7/8 of them to other
+    # ranks; and 3 of the routed counts (int64 per expert)
     one = 7 / 8 * tokens * 8 * 2048 * 2 / bw
-    assert est.time.ep_comm == pytest.approx(4 * 48 * 4 * one)
+    counts = 7 / 8 * 8 * MOE.num_experts / bw
+    assert est.time.ep_comm == pytest.approx(4 * 48 * (4 * one + 3 * counts))
 
 
 @pytest.mark.parametrize(
@@ -420,7 +422,8 @@ def test_swap_is_checked_against_host_memory():
 
 def test_shipped_calibrations_give_host_memory():
     assert load_gpu("h200").host_memory == 70 * GIB
-    assert load_gpu("cpu").host_memory == 5 * GIB
+    cpu = load_gpu("cpu")  # CPU ranks swap to the RAM they share: the same figure
+    assert cpu.host_memory == pytest.approx(cpu.memory) and 4 * GIB < cpu.host_memory < 6 * GIB
 
 
 def test_swap_time_is_the_swap_manager_timeline():
@@ -450,3 +453,68 @@ def test_swap_time_is_the_swap_manager_timeline():
     casts = L * (BLOCK - 2 * D) * 2  # every projection's bf16 weight (the norms' are not cast)
     assert est.time.swap == pytest.approx(2 * (acts + casts) / bw, rel=0.02)
     assert est.time.swap > slow / 4  # more than the same tokens' activations under FSDP
+
+
+def test_fsdp_without_overlap_exposes_every_collective():
+    """``cluster.overlap = 0`` (gloo on CPU ranks that share their cores): each block's
+    all-gather (forward and backward) and reduce-scatter, and the root's gather and reduction,
+    all show; with overlap 1 the same collectives hide under compute where it is longer."""
+    from hp_autoparallel import Evaluator
+
+    slow = Link(1e-4, 1e10, 1e10, 1e10, 1e10, 1e10)
+    plan = Plan(1, 8)
+    hidden = estimate(SPEC, plan, WORK, GPU, Cluster("t", 8, slow, slow)).time.fsdp_exposed
+    bare = Cluster("t", 8, slow, slow, overlap=0.0)
+    ev = Evaluator(SPEC, WORK, GPU, bare)
+    est = ev.estimate(plan)
+    layout = ev.layout(plan)
+    rank = ev._rank_groups(layout, 1)[0][0]
+    block_ag, block_rs = ev._group(rank.kinds[0], plan)
+    root_ag, root_rs = ev._group(rank.root, plan)
+    assert est.time.fsdp_exposed == pytest.approx(root_ag + root_rs + L * (2 * block_ag + block_rs))
+    half = dataclasses.replace(bare, overlap=0.5)
+    mid = estimate(SPEC, plan, WORK, GPU, half).time.fsdp_exposed
+    assert hidden < mid < est.time.fsdp_exposed
+
+
+def test_host_dispatch_counts_every_op():
+    """A calibration with ``host_per_op`` adds each block's and the step's aten ops (NOTE [Host
+    ops]) times it: forward and backward per microbatch, a recomputed forward again; without
+    FSDP the blocks' hooks' ops go; the shipped H200 file prices none."""
+    from hp_autoparallel import _layers as LY
+
+    per_op = 1e-5
+    gpu = dataclasses.replace(GPU, host_per_op=per_op)
+    kind = LY.kind_of(SPEC, 0)
+    f, b = LY.block_ops(SPEC, kind, 4096)
+    rf, rb = LY.rest_ops(SPEC)
+    step = L * LY.block_step_ops(SPEC, kind) + LY.rest_step_ops(SPEC)  # once per step
+    for m, mode, again in ((1, "none", 0), (4, "none", 0), (2, "full", f)):
+        est = estimate(SPEC, Plan(1, 8, microbatches=m, recompute=mode), WORK, gpu, CLUSTER)
+        want = (m * (L * (f + b + again) + rf + rb) + step) * per_op
+        assert est.time.host == pytest.approx(want)
+        assert ("host dispatch", est.time.host) in est.time.rows()
+        base = estimate(SPEC, Plan(1, 8, microbatches=m, recompute=mode), WORK, GPU, CLUSTER)
+        assert est.time.total == pytest.approx(base.time.total + want)
+    one = estimate(SPEC, Plan(1, 1), Workload(1, 4096), gpu, CLUSTER)
+    nf, nb = LY.block_ops(SPEC, kind, 4096, fsdp=False)
+    assert (f - nf, b - nb) == LY._OPS_FSDP
+    rf0, rb0 = LY.rest_ops(SPEC, fsdp=False)
+    step0 = L * LY.block_step_ops(SPEC, kind) + LY.rest_step_ops(SPEC, fsdp=False)
+    assert one.time.host == pytest.approx((L * (nf + nb) + rf0 + rb0 + step0) * per_op)
+    assert load_gpu("h200").host_per_op == 0.0 and load_gpu("cpu").host_per_op > 0
+
+
+def test_gradient_norm_all_reduce_is_in_the_optimizer_time():
+    """Clipping all-reduces the norm over a stage's ranks (and under a pipeline over the
+    stages): a latency-only term, zero on one rank."""
+    lat = Link(1e-3, 1e12, 1e12, 1e12, 1e12, 1e12)
+    cl = Cluster("t", 8, lat, lat)
+    opt = {}
+    for plan in (Plan(1, 8), Plan(1, 4, pp=2, schedule="1f1b", microbatches=4)):
+        a = estimate(SPEC, plan, WORK, GPU, cl).time.optimizer
+        z = estimate(SPEC, plan, WORK, GPU, CLUSTER).time.optimizer
+        opt[plan.pp] = a - z
+    # all-reduce: 2 x latency x ceil(log2 n): 8 ranks; 4 ranks then 2 stages
+    assert opt[1] == pytest.approx(2 * 1e-3 * 3)
+    assert opt[2] == pytest.approx(2 * 1e-3 * 2 + 2 * 1e-3 * 1)

@@ -163,3 +163,43 @@ def test_unknown_cluster_kind_names_cluster_and_the_nearest():
     with pytest.raises(ClusterFileError, match="--cluster 'h20'.*did you mean 'h200'") as info:
         load_cluster("h20")
     assert "shipped clusters: cpu, h200" in str(info.value)
+
+
+def test_per_collective_latency_and_overlap(tmp_path):
+    """A collective's own ``<kind>_latency_us`` replaces the link's latency for it alone;
+    ``cluster.overlap`` defaults to 1 and must lie in [0, 1]; an unknown [cluster] key is named
+    with the nearest known one."""
+    text = CLUSTER.replace(
+        "latency_us = 10.0", "latency_us = 10.0\nreduce_scatter_latency_us = 30.0"
+    )
+    cl = _cluster(tmp_path, text)
+    assert cl.overlap == 1.0
+    assert cl.collective("reduce_scatter", 4, 1, 1e-30) == pytest.approx(2 * 30e-6)
+    assert cl.collective("all_gather", 4, 1, 1e-30) == pytest.approx(2 * 10e-6)
+    assert cl.p2p(2, 1, 1e-30) == pytest.approx(10e-6)
+    cl = _cluster(tmp_path, text.replace('name = "test"', 'name = "test"\noverlap = 0.25'))
+    assert cl.overlap == 0.25
+    for bad in ("1.5", "-0.1", '"none"', "true"):
+        with pytest.raises(ClusterFileError, match=r"cluster\.overlap .* must be a number in"):
+            _cluster(tmp_path, CLUSTER.replace('name = "test"', f'name = "test"\noverlap = {bad}'))
+    with pytest.raises(ClusterFileError, match=r"cluster\.overlp is not a known field.*'overlap'"):
+        _cluster(tmp_path, CLUSTER.replace('name = "test"', 'name = "test"\noverlp = 0.5'))
+    with pytest.raises(ClusterFileError, match=r"intra_node\.all_gather_latency_us = -1"):
+        _cluster(
+            tmp_path,
+            CLUSTER.replace("latency_us = 10.0", "all_gather_latency_us = -1\nlatency_us = 10.0"),
+        )
+
+
+def test_shipped_cpu_cluster_is_measured():
+    """The shipped CPU cluster is `hp-plan calibrate --cluster-out`'s: gloo, the overlap it
+    measured, a latency per collective."""
+    cl = load_cluster("cpu")
+    assert cl.backend == "gloo" and cl.gpus_per_node == 4 and 0.0 <= cl.overlap <= 1.0
+    assert {name for name, _ in cl.intra.latencies} == {
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "all_to_all",
+        "p2p",
+    }
