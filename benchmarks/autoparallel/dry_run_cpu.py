@@ -14,7 +14,7 @@ then, in one launch:
 
 It prints, per configuration, the fullest rank's real peak, the dry run's (rank by rank the
 largest difference too) and the prediction, with their errors, and the real step time (the
-median of 9 ``dry_step`` calls between barriers, after the memory steps) beside the
+median of 9 ``train_step`` calls, each after a barrier, after the memory steps) beside the
 predicted one. Targets: the dry run within 3% of the real run on every rank; the prediction
 within 5% of the fullest real rank and 15% of the step time.
 
@@ -131,13 +131,14 @@ def _real_rank(toml: str, dump: str) -> dict:
         ],
     )
     trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg), measured_steps=3)
-    # then the step's time, without the tracker: every rank starts together, each times its
+    # then the step's time, without the tracker, of the step training runs (train_step: with
+    # its loss and flags all-reduced and read back): every rank starts together, each times its
     # own step (a closing barrier would add its own latency); the slowest rank's is the step's
     times = []
     for _ in range(TIMED_STEPS):
         dist.barrier()
         t0 = time.perf_counter()
-        trainer.dry_step()
+        trainer.train_step()
         times.append(time.perf_counter() - t0)
     return {
         "rank": dist.get_rank(),

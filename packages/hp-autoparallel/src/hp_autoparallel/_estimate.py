@@ -79,8 +79,9 @@ NOTE [Where time goes]
   exposed. Overlap hides ``cluster.overlap`` of what fits under the compute (1 on NCCL; about
   0 for gloo on CPU ranks that share their cores: NOTE [Collectives]). Under a pipeline the
   once-per-step gather and reduction are exposed, and the bubble comes from the schedule
-  (closed form, or hp-pipeline's simulator). Gradient clipping all-reduces the norm (a
-  scalar) over a stage's ranks, and under a pipeline over the stages: latency only.
+  (closed form, or hp-pipeline's simulator). Gradient clipping all-reduces the norm's partial
+  sums (scalars) as ``clip_grad_norm_`` groups the parameters, and ``train_step`` two more
+  scalars over the world (the loss's mean, the flags every rank must agree on): latency.
 - Host dispatch (NOTE [Host ops] in ``_layers``): where the calibration prices it (CPU
   ranks, whose device is the host), each block's and the step's aten ops times its
   ``host_us_per_op``, forward and backward, a recomputed forward's again.
@@ -120,6 +121,7 @@ _RSTD = 4  # fp32 reciprocal RMS per token an RMSNorm saves
 #: (dispatch and combine, each preceded by an exchange of counts) and in the backward (the two
 #: token exchanges reversed, one of counts), as hp-moe runs them (tests/unit/test_host_ops.py)
 EP_ALL_TO_ALLS = ((2, 2), (2, 1))
+_STEP_SCALARS = 2  # train_step's all-reduces over the world: the loss's mean, the flags' MAX
 
 
 @dataclass(frozen=True)
@@ -1094,11 +1096,12 @@ class Evaluator:
         return ar
 
     def _norm_time(self, plan: Plan) -> float:
-        """Seconds of gradient clipping's all-reduces (``_norm_groups``): latency."""
+        """Seconds of gradient clipping's all-reduces (``_norm_groups``) and of the two
+        scalar all-reduces over the world ``train_step`` adds (the loss's mean, the ranks'
+        agreement on its flags): latency."""
         cl = self.cluster
-        return sum(
-            cl.collective("all_reduce", n, stride, 4) for n, stride in self._norm_groups(plan)
-        )
+        t = sum(cl.collective("all_reduce", n, stride, 4) for n, stride in self._norm_groups(plan))
+        return t + _STEP_SCALARS * cl.collective("all_reduce", plan.world, 1, 4)
 
     def _transfer(self, plan: Plan, tokens: int) -> float:
         """One activation (or gradient) transfer between pipeline stages: a microbatch's
