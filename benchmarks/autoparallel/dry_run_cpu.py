@@ -14,9 +14,9 @@ then, in one launch:
 
 It prints, per configuration, the fullest rank's real peak, the dry run's (rank by rank the
 largest difference too) and the prediction, with their errors, and the real step time (the
-median of 9 ``train_step`` calls, each after a barrier, after the memory steps) beside the
-predicted one. Targets: the dry run within 3% of the real run on every rank; the prediction
-within 5% of the fullest real rank and 15% of the step time.
+median of 3 runs of 9 ``train_step`` calls back to back between barriers, after the memory
+steps) beside the predicted one. Targets: the dry run within 3% of the real run on every
+rank; the prediction within 5% of the fullest real rank and 15% of the step time.
 
     python benchmarks/autoparallel/dry_run_cpu.py [--only NAME] [--out results.json]
         [--calibrate | --calibration FILE --cluster FILE]
@@ -39,7 +39,7 @@ DRY_TARGET = 3.0  # percent
 MEMORY_TARGET = 5.0  # percent
 TIME_TARGET = 15.0  # percent
 WORLD = 4
-TIMED_STEPS = 9  # the median of these, after the memory steps
+TIMED_STEPS = 9  # steps back to back per timed run, after the memory steps
 
 
 @dataclass(frozen=True)
@@ -132,14 +132,16 @@ def _real_rank(toml: str, dump: str) -> dict:
     )
     trainer, peak, by_kind = step_peak(lambda: LLMTrainer(cfg), measured_steps=3)
     # then the step's time, without the tracker, of the step training runs (train_step: with
-    # its loss and flags all-reduced and read back): every rank starts together, each times its
-    # own step (a closing barrier would add its own latency); the slowest rank's is the step's
+    # its loss and flags all-reduced and read back), as a training loop sees it: steps back to
+    # back between two barriers (whose latency is spread over them), three times, the median
     times = []
-    for _ in range(TIMED_STEPS):
+    for _ in range(3):
         dist.barrier()
         t0 = time.perf_counter()
-        trainer.train_step()
-        times.append(time.perf_counter() - t0)
+        for _ in range(TIMED_STEPS):
+            trainer.train_step()
+        dist.barrier()
+        times.append((time.perf_counter() - t0) / TIMED_STEPS)
     return {
         "rank": dist.get_rank(),
         "peak_bytes": peak,
