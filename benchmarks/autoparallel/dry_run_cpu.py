@@ -115,7 +115,8 @@ def write_toml(
 
 
 def _real_rank(toml: str, dump: str) -> dict:
-    """One rank of the real run (under run_ranks): build, warm up, measure one step."""
+    """One rank of the real run (under run_ranks): build, warm up, measure one step's peak,
+    then time train_step (3 runs of TIMED_STEPS back to back between barriers)."""
     import torch.distributed as dist
 
     from hp_autoparallel import step_peak

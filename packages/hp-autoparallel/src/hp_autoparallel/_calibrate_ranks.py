@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._calibrate import _size
 from ._hardware import load_cluster
 from .errors import CalibrationError
 
@@ -160,7 +161,7 @@ def _overlap(world, device, sync, barrier, nbytes, warmup, repeats) -> tuple[flo
     frac = (t_c + gather - t_b) / max(min(t_c, gather), 1e-9)
     how = (
         f"{count} matmuls of {size}^2 ({1e3 * t_c:.2f} ms) beside an all-gather of "
-        f"{nbytes >> 10} KiB ({1e3 * gather:.2f} ms): {1e3 * t_b:.2f} ms together"
+        f"{_size(nbytes)} ({1e3 * gather:.2f} ms): {1e3 * t_b:.2f} ms together"
     )
     return min(1.0, max(0.0, frac)), how
 
@@ -257,7 +258,7 @@ def measure_ranks(ranks: int, *, device: str, quick: bool = False) -> RankMeasur
                 join=True,
                 start_method="spawn",
             )
-        except mp.ProcessException as e:  # raised in a rank, or a rank killed (signal, OOM)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # or killed
             raise CalibrationError(
                 f"calibrate: a rank failed while measuring ({e}); run again with fewer --ranks "
                 "or --quick to see whether the machine can hold them"
@@ -281,8 +282,8 @@ def measure_ranks(ranks: int, *, device: str, quick: bool = False) -> RankMeasur
         colls[kind] = (
             alpha,
             bw,
-            f"measured: {kind} ({what}) of {sizes[0] >> 10} KiB in {1e6 * times[0]:.0f} us and "
-            f"{sizes[1] >> 10} KiB in {1e6 * times[1]:.0f} us (the slowest rank's median)",
+            f"measured: {kind} ({what}) of {_size(sizes[0])} in {1e6 * times[0]:.0f} us and "
+            f"{_size(sizes[1])} in {1e6 * times[1]:.0f} us (the slowest rank's median)",
         )
     overlaps = [r["overlap"][0] for r in results]
     overlap = statistics.median(overlaps)

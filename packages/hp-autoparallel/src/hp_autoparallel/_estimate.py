@@ -73,7 +73,8 @@ NOTE [Where time goes]
 - Exposed communication: tensor-parallel all-gathers / reduce-scatters (sequence parallelism)
   and the logits' all-gather sit on the critical path (hp-trainer's default is not async TP);
   the context-parallel ring runs unoverlapped (``ContextParallel``); expert all-to-alls too
-  (per MoE block two of tokens and two of routed counts forward, two and one backward).
+  (per MoE block two of tokens and two small ones, the routed counts and the gate values,
+  forward; two and one backward).
   FSDP's all-gather of block i overlaps block i-1's forward (the first is exposed), its
   reduce-scatter the next block's backward; the last reduce-scatters and the root's are
   exposed. Overlap hides ``cluster.overlap`` of what fits under the compute (1 on NCCL; about
@@ -117,9 +118,10 @@ _STATE = 16  # fp32 parameter, gradient and two AdamW moments per sharded parame
 _OPT_BYTES = 32  # AdamW + clipping traffic per sharded parameter
 _ADAM_TEMP = 4  # foreach AdamW's fp32 sqrt(exp_avg_sq) of every parameter, during the step
 _RSTD = 4  # fp32 reciprocal RMS per token an RMSNorm saves
-#: all-to-alls of one MoE block under expert parallelism, (tokens, routed counts) in the forward
-#: (dispatch and combine, each preceded by an exchange of counts) and in the backward (the two
-#: token exchanges reversed, one of counts), as hp-moe runs them (tests/unit/test_host_ops.py)
+#: all-to-alls of one MoE block under expert parallelism, (tokens, small) in the forward (the
+#: routed counts, the dispatched rows, their gate values, the combine) and in the backward (rows,
+#: gates and combine reversed), as hp-moe runs them (tests/unit/test_host_ops.py); the small ones
+#: are priced at their latency
 EP_ALL_TO_ALLS = ((2, 2), (2, 1))
 _STEP_SCALARS = 2  # train_step's all-reduces over the world: the loss's mean, the flags' MAX
 
@@ -294,9 +296,24 @@ class _Ctx:
     block's work, the hardware. Depends on the data-parallel degrees only through whether FSDP
     applies, so stage costs are shared (cached) between plans that differ only there."""
 
-    def __init__(self, spec, tokens, seq, tp, cp, ep, etp, gpu, cluster, autocast=False, fsdp=True):
+    def __init__(
+        self,
+        spec,
+        tokens,
+        seq,
+        tp,
+        cp,
+        ep,
+        etp,
+        gpu,
+        cluster,
+        autocast=False,
+        fsdp=True,
+        pipelined=False,
+    ):
         self.spec, self.gpu, self.cluster = spec, gpu, cluster
         self.fsdp = fsdp  # the blocks are FSDP groups (their hooks' ops: NOTE [Host ops])
+        self.pipelined = pipelined  # under a pipeline those hooks run once a step
         self.tokens, self.seq = tokens, seq
         self.tp, self.cp, self.ep, self.etp = tp, cp, ep, etp
         self.ab = gpu.act_bytes
@@ -395,7 +412,7 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     ep_f = ep_b = 0.0
     if w.a2a_bytes and ep > 1:
         data = c.coll("all_to_all", ep, c.ep_stride, w.a2a_bytes)
-        # the routed counts each rank sends (int64 per expert): latency
+        # the routed counts (int64 per expert) or the rows' gate values: latency
         counts = c.coll("all_to_all", ep, c.ep_stride, 8 * spec.num_experts)
         (fd, fc), (bd, bc) = EP_ALL_TO_ALLS
         ep_f = fd * data + fc * counts
@@ -407,8 +424,9 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
         moe = w.moe_grouped / gpu.grouped_gemm_flops + w.moe_elementwise / rate
         rec = t_el + t_cast + moe + tp_f + ep_f + gpu.selective_overhead
     # swap: its time is the stage's, from the copy timeline (_swap_time)
-    ops_f, ops_b = L.block_ops(spec, kind, c.seq // cp, c.fsdp)
-    if mode == "full":  # the forward's ops again in backward
+    # under a pipeline FSDP's hooks run once a step (UNSHARD / RESHARD): Evaluator._step_ops
+    ops_f, ops_b = L.block_ops(spec, kind, c.seq // cp, c.fsdp and not c.pipelined)
+    if mode in ("full", "selective"):  # the forward's ops again in backward
         ops_b += ops_f
     hf, hb = ops_f * gpu.host_per_op, ops_b * gpu.host_per_op
     acc.hf += count * hf
@@ -499,7 +517,7 @@ def _head_time(c: _Ctx, acc: _Acc, depths: int) -> None:
     cast = L.CAST_BYTES * d * v / tp / rate if c.autocast else 0.0  # the output weight's
     acc.f += depths * (mm + t * el_f / rate) + cast
     acc.bi += depths * (mm + t * el_b / rate) + cast
-    ops_f, ops_b = L.rest_ops(spec, c.fsdp)
+    ops_f, ops_b = L.rest_ops(spec, c.fsdp and not c.pipelined)
     acc.hf += ops_f * gpu.host_per_op
     acc.hb += ops_b * gpu.host_per_op
     acc.bw += depths * mm
@@ -641,7 +659,7 @@ class Evaluator:
         first, last = s == 0, s == layout.n_stages - 1
         autocast = _autocast(plan, self.ab)
         key = (lo, hi, first, last, plan.recompute, tokens, plan.tp, plan.cp, plan.ep, plan.etp)
-        key += (autocast, plan.fsdp)
+        key += (autocast, plan.fsdp, plan.pp > 1)
         hit = self._stages.get(key)
         if hit is None:
             c = _Ctx(
@@ -656,6 +674,7 @@ class Evaluator:
                 self.cluster,
                 autocast,
                 plan.fsdp,
+                plan.pp > 1,
             )
             acc = _Acc()
             per_kind = {}
@@ -1067,11 +1086,16 @@ class Evaluator:
         """Aten ops a pipeline rank dispatches once per step (NOTE [Host ops]): its blocks'
         and, on the last stage, the rest's parameters' clipping and AdamW."""
         spec, n = self.spec, 0
+        hooks = plan.fsdp and plan.pp > 1  # FSDP's hooks at UNSHARD / RESHARD, once a step
         for s in rank.stages:
             for kind, count in L.layer_kinds(spec, *layout.ranges[s]).items():
                 n += count * L.block_step_ops(spec, kind)
+                if hooks:
+                    n += count * sum(L.FSDP_OPS)
         if rank.last:
             n += L.rest_step_ops(spec, plan.fsdp)
+            if hooks:
+                n += sum(L.REST_FSDP_OPS)
         return n
 
     def _norm_groups(self, plan: Plan) -> list[tuple[int, int]]:
@@ -1093,15 +1117,16 @@ class Evaluator:
             ar += [(plan.ep, tp * plan.cp), (max(1, plan.dp_shard // plan.ep), plan.ep * tp)]
         if plan.pp > 1:
             ar.append((plan.pp, plan.world // plan.pp))
-        return ar
+        return [(n, stride) for n, stride in ar if n > 1]
 
     def _norm_time(self, plan: Plan) -> float:
-        """Seconds of gradient clipping's all-reduces (``_norm_groups``) and of the two
-        scalar all-reduces over the world ``train_step`` adds (the loss's mean, the ranks'
-        agreement on its flags): latency."""
+        """Seconds of gradient clipping's all-reduces (``_norm_groups``) and of the scalar
+        all-reduces ``train_step`` adds: the loss's mean and the ranks' agreement on its flags
+        over the world, a MoE model's routing statistics, the MTP loss's mean: latency."""
         cl = self.cluster
         t = sum(cl.collective("all_reduce", n, stride, 4) for n, stride in self._norm_groups(plan))
-        return t + _STEP_SCALARS * cl.collective("all_reduce", plan.world, 1, 4)
+        scalars = _STEP_SCALARS + (self.spec.num_experts > 0) + (self.spec.mtp_layers > 0)
+        return t + scalars * cl.collective("all_reduce", plan.world, 1, 4)
 
     def _transfer(self, plan: Plan, tokens: int) -> float:
         """One activation (or gradient) transfer between pipeline stages: a microbatch's

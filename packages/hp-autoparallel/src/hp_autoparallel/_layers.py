@@ -549,20 +549,23 @@ def head_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False):
 # Per step: 4 per parameter tensor (clipping's norm and scale, AdamW): a Llama block 36, q / k
 # norms 8 more, a MoE feed-forward 8 more than SwiGLU, a gated attention block 44, a Gated
 # DeltaNet block 72; the rest 38, 4 fewer with tied embeddings, 3 fewer without FSDP.
-# Full recomputation runs the forward's ops again in backward (torch's checkpoint: within 5%).
+# Full recomputation runs the forward's ops again in backward (torch's checkpoint: within 5%),
+# selective too (its policy decides what is kept, every op is dispatched again). Under a
+# pipeline FSDP's hooks run once a step (UNSHARD, RESHARD), not per microbatch.
 # On real gloo ranks a block's backward has 2 more (its reduce-scatter's copy) than on the fake
 # group. Not counted yet: MLA (taken as attention), shared experts, DTensor's dispatch under TP,
-# the CP ring's steps, a pipeline's schedule; the rest is put on the last stage.
+# the CP ring's steps, expert-parallel dispatch, a pipeline's schedule, DeepSeek's MTP blocks'
+# per-step ops; the rest is put on the last stage.
 _OPS_BLOCK = (104, 199)
 _OPS_QK_NORM = (20, 48)
 _OPS_MOE = (36, 41)
 _OPS_GATED_ATTENTION = (140, 263)
 _OPS_GDN = (258, 438)
 _OPS_GDN_CHUNK = (39, 54)
-_OPS_FSDP = (34, 68)  # what FSDP adds to a block
+FSDP_OPS = _OPS_FSDP = (34, 68)  # what FSDP's hooks add to a block
 _OPS_REST = (49, 51)
 _OPS_REST_TIED = (3, 3)  # what tied embeddings take away from the rest
-_OPS_REST_FSDP = (15, 17)  # what FSDP's root group adds to the rest
+REST_FSDP_OPS = _OPS_REST_FSDP = (15, 17)  # what FSDP's root group adds to the rest
 # once per step
 _STEP_BLOCK = 36
 _STEP_QK_NORM = 8

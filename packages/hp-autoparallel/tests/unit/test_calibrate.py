@@ -199,6 +199,23 @@ def test_cluster_out_measures_the_ranks_together(tmp_path, capsys):
     assert "the median over 2 ranks measuring at once" in cal_path.read_text()
 
 
+def test_a_rank_that_dies_is_a_calibration_error(tmp_path, capsys, monkeypatch):
+    """A rank killed (a signal, the OOM killer) or raising is exit 2 with a message, no
+    traceback."""
+    import torch.multiprocessing as mp
+
+    def dies(*args, **kwargs):
+        raise mp.ProcessExitedException(
+            "process 1 terminated with signal SIGKILL", 1, 4242, -9, "SIGKILL"
+        )
+
+    monkeypatch.setattr(mp, "start_processes", dies)
+    argv = ["calibrate", "--quick", "--device", "cpu", "--ranks", "2"]
+    assert main([*argv, "--cluster-out", str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "a rank failed while measuring" in err and "SIGKILL" in err
+
+
 def test_cluster_out_needs_two_ranks(tmp_path, capsys):
     argv = ["calibrate", "--quick", "--device", "cpu", "--ranks", "1"]
     assert main([*argv, "--cluster-out", str(tmp_path / "c.toml")]) == 2

@@ -157,7 +157,9 @@ def test_full_recomputation_runs_the_forward_again(monkeypatch, tmp_path, planne
         ("llama3-tiny", Plan(1, 2, tp=2)),
         ("llama3-tiny", Plan(1, 2, cp=2)),
         ("llama3-tiny", Plan(1, 2, pp=2, schedule="1f1b", microbatches=4)),
+        ("llama3-tiny", Plan(1, 1, tp=2)),
         ("qwen3-moe-tiny", Plan(1, 4, ep=2)),
+        ("qwen3-moe-tiny", Plan(1, 4, ep=4)),
     ],
 )
 def test_clipping_all_reduces(monkeypatch, tmp_path, planner_toml, model, plan):
