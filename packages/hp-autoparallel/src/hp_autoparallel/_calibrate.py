@@ -100,18 +100,27 @@ def _sync(device) -> None:
 
 
 def _median_time(
-    fn: Callable[[], object], device, *, warmup: int, repeats: int, min_s: float = 0.0
+    fn: Callable[[], object],
+    device,
+    *,
+    warmup: int,
+    repeats: int,
+    min_s: float = 0.0,
+    before: Callable[[], object] | None = None,
 ) -> float:
     """Median seconds of ``fn()`` over ``repeats`` samples after ``warmup`` calls, synchronised.
     A sample calls ``fn`` until ``min_s`` seconds have passed (once at least) and counts the
     mean: ranks that share cores are measured over many of the scheduler's time slices, not
-    inside one (where a short call runs as if alone)."""
+    inside one (where a short call runs as if alone). ``before`` runs ahead of each sample,
+    untimed (the ranks' barrier, so every rank times the same collective)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(repeats):
         _sync(device)
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         calls = 0
         while True:
@@ -485,6 +494,21 @@ def _host_per_op(cal: Calibration, s: _Sizes, device) -> None:
     )
 
 
+def rate_steps(cal: Calibration, s: _Sizes, device, dtype) -> tuple:
+    """``(what, measure)`` pairs of the rate measurements, each ``measure()`` setting its fields
+    of ``cal``: what one process measures alone, or each rank with the others
+    (``_calibrate_ranks``)."""
+    return (
+        ("matmul", lambda: _matmul(cal, s, device, dtype)),
+        ("attention", lambda: _attention(cal, s, device, dtype)),
+        ("grouped GEMM", lambda: _grouped(cal, s, device, dtype)),
+        ("bandwidths", lambda: _bandwidth(cal, s, device)),
+        ("element-wise kernels", lambda: _elementwise(cal, s, device, dtype)),
+        ("optimizer", lambda: _optimizer(cal, s, device)),
+        ("host dispatch", lambda: _host_per_op(cal, s, device)),
+    )
+
+
 @contextlib.contextmanager
 def _registered(name: str, values: dict):
     """``hp_trainer.models.CONFIGS[name]`` set to a configuration of ``values`` while inside
@@ -784,15 +808,7 @@ def calibrate(
     if device == "cpu":
         torch.set_num_threads(1)  # one thread per CPU rank, as the shipped cpu file
     try:
-        rates = (
-            ("matmul", lambda: _matmul(cal, s, dev, dtype)),
-            ("attention", lambda: _attention(cal, s, dev, dtype)),
-            ("grouped GEMM", lambda: _grouped(cal, s, dev, dtype)),
-            ("bandwidths", lambda: _bandwidth(cal, s, dev)),
-            ("element-wise kernels", lambda: _elementwise(cal, s, dev, dtype)),
-            ("optimizer", lambda: _optimizer(cal, s, dev)),
-            ("host dispatch", lambda: _host_per_op(cal, s, dev)),
-        )
+        rates = rate_steps(cal, s, dev, dtype)
         if together is not None:  # measured on the ranks at once: taken as they are
             for (section, key), (value, how) in together.rates.items():
                 cal.set(section, key, value, how)
@@ -934,6 +950,14 @@ def render(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
+def _write(path: str, text: str) -> Path:
+    """Write ``text`` to ``path``, making its folder; the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
 def main(argv: list[str]) -> int:
     """``hp-plan calibrate [--out FILE] [--quick] [--device cuda|cpu] [--ranks N]``."""
     import argparse
@@ -971,6 +995,8 @@ def main(argv: list[str]) -> int:
             ranks = args.ranks
             if ranks is None:
                 ranks = torch.cuda.device_count() if device == "cuda" else 4
+            # the host's GPUs per node, whichever of them were measured
+            per_node = torch.cuda.device_count() if device == "cuda" else ranks
             t0 = time.perf_counter()
             together = measure_ranks(ranks, device=device, quick=args.quick)
             log(f"calibrate: {ranks} ranks measured together in {time.perf_counter() - t0:.1f} s")
@@ -981,25 +1007,16 @@ def main(argv: list[str]) -> int:
             log=log,
             together=together,
         )
-        out = Path(args.out or f"{cal.name}_calibrated.toml")
-        if out.parent and not out.parent.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render(cal))
+        out = _write(args.out or f"{cal.name}_calibrated.toml", render(cal))
         loaded = GpuCalibration.from_toml(out)  # the file reads back with the package's loader
         if together is not None:
             from ._calibrate_ranks import render_cluster
             from ._hardware import Cluster
 
-            cpath = Path(args.cluster_out)
-            if cpath.parent and not cpath.parent.exists():
-                cpath.parent.mkdir(parents=True, exist_ok=True)
-            import torch
-
-            per_node = torch.cuda.device_count() if together.backend == "nccl" else together.ranks
             text = render_cluster(
                 together, kind=cal.name, device_name=cal.device, gpus_per_node=per_node
             )
-            cpath.write_text(text)
+            cpath = _write(args.cluster_out, text)
             cl = Cluster.from_toml(cpath)  # reads back with the package's loader
             print(f"hp-plan calibrate: cluster {cl.describe()}, overlap {cl.overlap:.2f}")
             print(f"wrote {cpath}")

@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._calibrate import _size
+from . import _calibrate as C
+from ._calibrate import _fmt, _size, _wrap
 from ._hardware import load_cluster
 from .errors import CalibrationError
 
@@ -74,23 +75,14 @@ class RankMeasurements:
     backend: str
 
 
-def _timed(fn, sync, barrier, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn, device, barrier, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn()``, each call after a barrier (``_calibrate._median_time``)."""
+    return C._median_time(fn, device, warmup=warmup, repeats=repeats, before=barrier)
 
 
 def _collective_fns(kind: str, nbytes: int, world: int, rank: int, device):
     """A no-argument call running ``kind`` of ``nbytes`` (NOTE [Collectives]'s M) over the
-    world, or between neighbour pairs for ``p2p``; None where the world cannot run it."""
+    world, or between neighbour pairs for ``p2p`` (the odd rank out of an odd world idles)."""
     import torch
     import torch.distributed as dist
 
@@ -135,7 +127,7 @@ def _fit(kind: str, world: int, sizes, times) -> tuple[float, float]:
     return alpha, bw
 
 
-def _overlap(world, device, sync, barrier, nbytes, warmup, repeats) -> tuple[float, str]:
+def _overlap(world, device, barrier, nbytes, warmup, repeats) -> tuple[float, str]:
     import torch
     import torch.distributed as dist
 
@@ -143,8 +135,8 @@ def _overlap(world, device, sync, barrier, nbytes, warmup, repeats) -> tuple[flo
     inp, out = torch.ones(n // world, device=device), torch.empty(n, device=device)
     size = 256 if device.type == "cpu" else 4096
     a = torch.randn(size, size, device=device)
-    one = _timed(lambda: a @ a, sync, barrier, warmup, repeats)
-    gather = _timed(lambda: dist.all_gather_into_tensor(out, inp), sync, barrier, warmup, repeats)
+    one = _timed(lambda: a @ a, device, barrier, warmup, repeats)
+    gather = _timed(lambda: dist.all_gather_into_tensor(out, inp), device, barrier, warmup, repeats)
     count = max(1, round(gather / max(one, 1e-9)))
 
     def compute():
@@ -156,8 +148,8 @@ def _overlap(world, device, sync, barrier, nbytes, warmup, repeats) -> tuple[flo
         compute()
         w.wait()
 
-    t_c = _timed(compute, sync, barrier, warmup, repeats)
-    t_b = _timed(both, sync, barrier, warmup, repeats)
+    t_c = _timed(compute, device, barrier, warmup, repeats)
+    t_b = _timed(both, device, barrier, warmup, repeats)
     frac = (t_c + gather - t_b) / max(min(t_c, gather), 1e-9)
     how = (
         f"{count} matmuls of {size}^2 ({1e3 * t_c:.2f} ms) beside an all-gather of "
@@ -171,8 +163,6 @@ def _rank_main(rank: int, world: int, folder: str, device_type: str, quick: bool
     import torch
     import torch.distributed as dist
 
-    from . import _calibrate as C
-
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -185,9 +175,6 @@ def _rank_main(rank: int, world: int, folder: str, device_type: str, quick: bool
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
     try:
 
-        def sync():
-            C._sync(device)
-
         def barrier():
             if device_type == "cuda":
                 dist.barrier(device_ids=[rank])
@@ -197,15 +184,7 @@ def _rank_main(rank: int, world: int, folder: str, device_type: str, quick: bool
         cal = C.Calibration(name="", compute_dtype=str(dtype).replace("torch.", ""), device="")
         # samples of 200 ms at least: over many time slices where ranks share cores, as a step's
         s = dataclasses.replace(C._SIZES[(device_type, quick)], min_sample_s=_MIN_SAMPLE_S)
-        for measure in (
-            lambda: C._matmul(cal, s, device, dtype),
-            lambda: C._attention(cal, s, device, dtype),
-            lambda: C._grouped(cal, s, device, dtype),
-            lambda: C._bandwidth(cal, s, device),
-            lambda: C._elementwise(cal, s, device, dtype),
-            lambda: C._optimizer(cal, s, device),
-            lambda: C._host_per_op(cal, s, device),
-        ):
+        for _, measure in C.rate_steps(cal, s, device, dtype):
             barrier()  # every rank measures the same thing at the same time
             measure()
         warmup, repeats = _REPEATS[quick]
@@ -215,9 +194,9 @@ def _rank_main(rank: int, world: int, folder: str, device_type: str, quick: bool
             times = []
             for nbytes in sizes:
                 fn = _collective_fns(kind, nbytes, world, rank, device)
-                times.append(_timed(fn, sync, barrier, warmup, repeats))
+                times.append(_timed(fn, device, barrier, warmup, repeats))
             colls[kind] = times
-        overlap, how = _overlap(world, device, sync, barrier, sizes[1], warmup, repeats)
+        overlap, how = _overlap(world, device, barrier, sizes[1], warmup, repeats)
         result = {
             "rates": {f"{k[0]}.{k[1]}": [m.value, m.how] for k, m in cal.fields.items()},
             "collectives": colls,
@@ -295,20 +274,12 @@ def measure_ranks(ranks: int, *, device: str, quick: bool = False) -> RankMeasur
     return RankMeasurements(rates, colls, overlap, how, ranks, backend)
 
 
-def _wrap(text: str) -> list[str]:
-    from ._calibrate import _wrap as wrap
-
-    return wrap(text)
-
-
 def render_cluster(
     m: RankMeasurements, *, kind: str, device_name: str, gpus_per_node: int | None = None
 ) -> str:
     """The cluster file's text (the format of ``data/clusters/*.toml``), each field with how
     it was obtained; the inter-node link copied from the shipped cluster of ``kind``.
     ``gpus_per_node`` is the host's (default: the ranks measured)."""
-    from ._calibrate import _fmt
-
     base_kind = "h200" if m.backend == "nccl" else "cpu"
     base = load_cluster(kind if kind in ("h200", "cpu") else base_kind)
     lines = _wrap(

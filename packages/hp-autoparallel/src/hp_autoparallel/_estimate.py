@@ -824,7 +824,8 @@ class Evaluator:
                 per_kind = self._stage(layout, rank.stages[0], plan, tokens)[1]
                 fsdp_t = max(fsdp_t, self._fsdp(layout, rank, plan, per_kind))
             opt_t = max(opt_t, shard * _OPT_BYTES / gpu.optimizer_rate)
-            step_host = max(step_host, self._step_ops(layout, rank, plan) * gpu.host_per_op)
+            if gpu.host_per_op:  # priced where the host's work adds to the step (CPU ranks)
+                step_host = max(step_host, self._step_ops(layout, rank, plan) * gpu.host_per_op)
             # every micro-step after the first adds into the fp32 gradients
             accumulate = max(
                 accumulate, (m - 1) * shard * L.ACCUMULATE_BYTES / gpu.elementwise_rate
