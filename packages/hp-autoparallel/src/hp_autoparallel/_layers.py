@@ -267,14 +267,14 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     rule += 12 * h + 4 * h / c
     if autocast:  # the two within-chunk matmuls: operand casts and bf16 outputs; kb and q_s
         rule += 4 * a * h * dk + 2 * a * h * c + 8 * h * dk
-    else:  # fp32 matmuls: each folds its 5-D operands into 3-D copies it keeps (two each),
-        # fp32 outputs; kb and the scaled queries for their products with the decays
-        rule += 24 * h * dk + 8 * h * c
+    else:  # fp32 matmuls on views (the rule lays k, v and q out heads first), fp32
+        # outputs; kb and the scaled queries for their products with the decays
+        rule += 8 * h * dk + 8 * h * c
     # the recurrence, per chunk: under autocast the state's casts (twice), the scores' and the
     # corrected values' (else the corrected values in fp32), and after the first chunk (whose
     # zero state needs no gradient) the resolved keys' and decayed queries'. The state update
     # (the fp32 state, and under autocast the decayed keys' and corrected values' casts) is
-    # kept for every chunk but the last, whose new state nothing reads (freed with it).
+    # kept for every chunk but the last, whose new state is not computed.
     state = dk * dv / c
     update = 4 * h * state + (a * h * (dk + dv) if autocast else 0.0)
     if autocast:
@@ -300,12 +300,15 @@ def _padded(seq: int) -> float:
 def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> float:
     """Bytes per token of the Gated DeltaNet's batched matmul outputs, which selective
     recomputation keeps (hp-offload saves every matmul's output): the two within-chunk score
-    matrices and, per chunk, the recurrence's three value-sized products and the state
-    update's; bf16 under autocast, fp32 otherwise (the rule runs in fp32)."""
+    matrices and, per chunk, the recurrence's three value-sized products and (but after the
+    last chunk, whose new state is not computed) the state update's; bf16 under autocast,
+    fp32 otherwise (the rule runs in fp32)."""
     h, dk, c = spec.linear_num_value_heads / tp, spec.linear_key_head_dim, GDN_CHUNK
     dv = spec.linear_value_head_dim
     size = ab if autocast else 4
-    return size * h * (2 * c + 3 * dv + dk * dv / c) * _padded(seq)
+    n = -(-seq // c) if seq else 0
+    later = (n - 1) / n if n else 1.0
+    return size * h * (2 * c + 3 * dv + later * dk * dv / c) * _padded(seq)
 
 
 def _gated_attention_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
@@ -542,7 +545,7 @@ def head_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False):
 #   hooks (views, copies, splits of the packed parameters and gradients) are 34 / 68;
 # - Qwen3's q / k norms add 20 / 48; a MoE feed-forward (router, top-k, permutation, grouped
 #   GEMMs, combine) instead of SwiGLU adds 36 / 41, whatever the number of experts;
-# - Qwen3.5's gated attention block 140 / 263; its Gated DeltaNet block 258 / 438 plus 39 / 54
+# - Qwen3.5's gated attention block 140 / 263; its Gated DeltaNet block 256 / 460 plus 29 / 39
 #   per 64-token chunk of the delta rule (the recurrence runs chunk by chunk);
 # - the rest (embedding, final norm, output, loss): 49 / 51, 3 / 3 fewer with tied embeddings,
 #   one more forward op for Qwen3.5's zero-centred final norm; FSDP's root group is 15 / 17.
@@ -560,8 +563,8 @@ _OPS_BLOCK = (104, 199)
 _OPS_QK_NORM = (20, 48)
 _OPS_MOE = (36, 41)
 _OPS_GATED_ATTENTION = (140, 263)
-_OPS_GDN = (258, 438)
-_OPS_GDN_CHUNK = (39, 54)
+_OPS_GDN = (256, 460)
+_OPS_GDN_CHUNK = (29, 39)
 FSDP_OPS = _OPS_FSDP = (34, 68)  # what FSDP's hooks add to a block
 _OPS_REST = (49, 51)
 _OPS_REST_TIED = (3, 3)  # what tied embeddings take away from the rest

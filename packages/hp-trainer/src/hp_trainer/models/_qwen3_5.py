@@ -33,6 +33,15 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _f32_heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h, d]`` -> a contiguous ``[b, h, s, d]`` of at least float32 (one copy)."""
+    y = x.transpose(1, 2)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # one copy_ that casts and lays out at once (``to`` would keep the strides, and a later
+    # ``contiguous`` copy again)
+    return torch.empty_like(y, dtype=dtype, memory_format=torch.contiguous_format).copy_(y)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose scale is ``1 + weight`` (weight starts at zero), computed in float32."""
 
@@ -70,7 +79,9 @@ def _chunked(q, k, v, g, beta, chunk: int):
     per chunk, the resolved values ``u`` and keys ``w``, the within-chunk scores, the decayed
     queries and keys and the chunk's total decay; ``q`` may be None (no outputs needed)."""
     b, s, h, dk = k.shape
-    k, v = (_f32(x.transpose(1, 2)) for x in (k, v))  # [b, h, s, d]
+    # [b, h, s, d] laid out as such (one copy, fused with the cast): the chunks' batched
+    # matmuls then run on views; on the [b, s, h, d] layout each would copy its operands
+    k, v = (_f32_heads_first(x) for x in (k, v))
     g, beta = _f32(g.transpose(1, 2)), _f32(beta.transpose(1, 2))  # [b, h, s]
     pad = -s % chunk  # padded positions: no decay, no write (the state passes unchanged)
     if pad:
@@ -97,7 +108,7 @@ def _chunked(q, k, v, g, beta, chunk: int):
     chunk_decay = gc[..., -1].exp()[..., None, None]
     parts = {"u": u, "w": w, "k_dec": k_dec, "chunk_decay": chunk_decay, "n": n, "pad": pad}
     if q is not None:
-        q = _f32(q.transpose(1, 2)) * dk**-0.5
+        q = _f32_heads_first(q) * dk**-0.5
         if pad:
             q = F.pad(q, (0, 0, 0, pad))
         q = q.reshape(b, h, n, chunk, -1)
@@ -121,17 +132,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk: int = 64, initial_state=N
 def delta_rule_outputs(parts: dict, initial_state, seq: int, dtype) -> torch.Tensor:
     """The outputs ``[b, s, h, dv]`` from :func:`_chunked`'s pieces and an initial state
     (None: zeros)."""
-    u, w, q_dec, attn = parts["u"], parts["w"], parts["q_dec"], parts["attn"]
-    k_dec, chunk_decay = parts["k_dec"], parts["chunk_decay"]
-    b, h, n, chunk, dv = u.shape
-    dk = w.shape[-1]
-    state = u.new_zeros(b, h, dk, dv) if initial_state is None else _f32(initial_state)
-    out = torch.empty_like(u)
+    b, h, n, chunk, dv = parts["u"].shape
+    dk = parts["w"].shape[-1]
+    state = parts["u"].new_zeros(b, h, dk, dv) if initial_state is None else _f32(initial_state)
+    # the chunks as one unbind each and the outputs as one stack: indexing chunk i in the loop
+    # would give each index its own backward writing a whole zero-filled gradient (n of them,
+    # summed), and assigning into a preallocated output copies; both grow with n squared
+    u, w, q_dec, attn, k_dec, chunk_decay = (
+        parts[name].unbind(2) for name in ("u", "w", "q_dec", "attn", "k_dec", "chunk_decay")
+    )
+    out = []
     for i in range(n):
-        corrected = u[:, :, i] - w[:, :, i] @ state  # new values minus what the state predicts
-        out[:, :, i] = q_dec[:, :, i] @ state + attn[:, :, i] @ corrected
-        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ corrected
-    out = out.reshape(b, h, n * chunk, -1)[:, :, :seq]
+        corrected = u[i] - w[i] @ state  # new values minus what the state predicts
+        out.append(q_dec[i] @ state + attn[i] @ corrected)
+        if i + 1 < n:  # the state after the last chunk is not an output
+            state = state * chunk_decay[i] + k_dec[i].transpose(-1, -2) @ corrected
+    out = torch.stack(out, 2).reshape(b, h, n * chunk, -1)[:, :, :seq]
     return out.transpose(1, 2).to(dtype)
 
 
@@ -146,17 +162,19 @@ def gated_delta_rule_transition(k, v, g, beta, *, chunk: int = 64):
 
 def delta_rule_transition(parts: dict):
     """``(M, N)`` of :func:`gated_delta_rule_transition` from :func:`_chunked`'s pieces."""
-    u, w, k_dec, chunk_decay = parts["u"], parts["w"], parts["k_dec"], parts["chunk_decay"]
-    b, h, n, _, dv = u.shape
-    dk = w.shape[-1]
-    eye = torch.eye(dk, device=u.device, dtype=u.dtype)
+    b, h, n, _, dv = parts["u"].shape
+    dk = parts["w"].shape[-1]
+    eye = torch.eye(dk, device=parts["u"].device, dtype=parts["u"].dtype)
     m = eye.expand(b, h, dk, dk)
-    nn_ = u.new_zeros(b, h, dk, dv)
+    nn_ = parts["u"].new_zeros(b, h, dk, dv)
+    # one unbind per piece, not an index per chunk (see delta_rule_outputs)
+    names = ("u", "w", "k_dec", "chunk_decay")
+    u, w, k_dec, chunk_decay = (parts[name].unbind(2) for name in names)
     for i in range(n):
         # one chunk: S' = (decay I - k_dec^T w) S + k_dec^T u
-        kt = k_dec[:, :, i].transpose(-1, -2)
-        step = chunk_decay[:, :, i] * eye - kt @ w[:, :, i]
-        m, nn_ = step @ m, step @ nn_ + kt @ u[:, :, i]
+        kt = k_dec[i].transpose(-1, -2)
+        step = chunk_decay[i] * eye - kt @ w[i]
+        m, nn_ = step @ m, step @ nn_ + kt @ u[i]
     return m, nn_
 
 
