@@ -379,7 +379,7 @@ def _block_time(c: _Ctx, kind, mode: str, acc: _Acc, count: int) -> tuple[float,
     seconds for FSDP's overlap model."""
     spec, gpu = c.spec, c.gpu
     tp, cp, ep = c.tp, c.cp, c.ep
-    w = L.work(spec, kind, c.tokens, c.seq, tp, c.etp, c.ab, c.autocast)
+    w = L.work(spec, kind, c.tokens, c.seq, tp, c.etp, c.ab, c.autocast, c.seq // cp)
     t_mm = w.matmul / gpu.matmul_flops
     t_at = w.attention / gpu.attention_flops
     t_gg = w.grouped / gpu.grouped_gemm_flops
@@ -912,7 +912,7 @@ class Evaluator:
             else:
                 fwd_logits = head + depths * tokens * v * ab  # the logits the forward returns
         # the rotary tables (fp32 cos and sin of the rank's positions), held all along
-        rope = spec.qk_rope_head_dim if spec.kv_lora_rank else spec.head_dim
+        rope = spec.rope_dim
         # (each pipeline stage holds its own)
         persistent = 2 * self.work.seq_len // plan.cp * rope * 4 * len(rank.stages)
         other = persistent

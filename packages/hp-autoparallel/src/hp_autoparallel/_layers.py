@@ -75,9 +75,10 @@ the two norms' outputs; ``r = (h + kv) qk_dim`` the rotated features; ``f`` the 
 
 ``tests/unit/test_elementwise_measured.py`` checks the block's and the head's bytes per token
 and the block's bytes per parameter against every aten op torch runs for the real model on the
-CPU (a ``TorchDispatchMode`` summing the ops' input and output bytes). MLA, Gated DeltaNet and
-MoE mixers / experts keep the earlier estimate (backward twice the forward); Qwen3's q/k norms
-are not counted.
+CPU (a ``TorchDispatchMode`` summing the ops' input and output bytes). Qwen3.5's blocks are
+counted as NOTE [Qwen3.5 traffic] says (its zero-centred norms and both token mixers, checked
+the same way); MLA and MoE mixers / experts keep the earlier estimate (backward twice the
+forward); Qwen3's q/k norms are not counted.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ _RSTD = 4  # fp32 reciprocal RMS per token, saved by each (fused) RMSNorm
 def _projections(spec: ModelSpec, mixer: str, moe: bool) -> tuple[int, int]:
     """How many linear layers read the attention norm's and the ffn norm's output (under
     autocast each casts it to bf16 on its own, and saves its own copy)."""
-    attn = 3 if mixer in ("attention", "gated_attention") else 1
+    attn = {"attention": 3, "gated_attention": 3, "linear_attention": 6}.get(mixer, 1)
     ffn = 2 if not moe else 1
     return attn, ffn
 
@@ -330,13 +331,12 @@ def _qwen35_saved(spec, kind, tp, etp, ab, autocast, seq) -> float:
     """Bytes per token one Qwen3.5 block keeps without recomputation: its two norms, the token
     mixer and the feed-forward (the SwiGLU's or the MoE's own saved set)."""
     mixer, moe = kind
-    readers = 6 if mixer == "linear_attention" else 3  # q, k, v, b, a, z / q, k, v
-    out = _qwen35_norm(spec, tp, ab, autocast, readers)
+    pa, pf = _projections(spec, mixer, moe)  # q, k, v, b, a, z / q, k, v
+    out = _qwen35_norm(spec, tp, ab, autocast, pa)
     if mixer == "linear_attention":
         out += _gdn_mixer(spec, tp, ab, autocast, seq)
     else:
         out += _gated_attention_mixer(spec, tp, ab, autocast)
-    _, pf = _projections(spec, mixer, moe)
     out += _qwen35_norm(spec, tp, ab, autocast, pf)
     d = spec.dim
     out += (_ffn_elements(spec, moe, "none", tp, etp, ab) - d / tp - d) * ab
@@ -457,21 +457,180 @@ def down_params(spec: ModelSpec, kind: tuple[str, bool]):
 _NORM_STAT = 4  # fp32 rstd per token a fused RMSNorm writes (forward) and reads (backward)
 
 
+def _zero_centred_norm(s: int) -> tuple[float, float]:
+    """Bytes per normalised element one of Qwen3.5's zero-centred RMSNorms moves beyond a
+    fused RMSNorm's ``2 s`` / ``3 s`` (NOTE [Qwen3.5 traffic]), forward and backward: ``rms_norm``
+    of the fp32 input without a weight (read 4, write 4), the fp32 ``y * (1 + weight)`` (read 4,
+    write 4), and on a stream of ``s < 4`` bytes the cast in and the cast back (``s + 4`` each);
+    backward: the cast of the gradient in and of dx back, the scale's two products (``g (1 +
+    w)``: read 4 write 4; ``g y`` read 8 write 4, summed into the weight's gradient: read 4) and
+    the fused backward (read g and x, write dx: 12)."""
+    casts = 2 * (s + 4) if s != 4 else 0
+    return 16 - 2 * s + casts, 36 - 3 * s + casts
+
+
+def _qwen35_features(spec: ModelSpec, mixer: str, tp: int, seq: int) -> dict[str, float]:
+    """Per token, the sizes NOTE [Qwen3.5 traffic]'s coefficients multiply, for one rank's
+    heads (``seq`` 0: a long sequence, the per-sequence terms vanish)."""
+    per_seq = 1 / seq if seq else 0.0
+    if mixer == "linear_attention":
+        nk, nv = spec.linear_num_key_heads / tp, spec.linear_num_value_heads / tp
+        dk, dv, c = spec.linear_key_head_dim, spec.linear_value_head_dim, GDN_CHUNK
+        keys, values = nk * dk, nv * dv
+        return {
+            "keys": keys,
+            "heads_keys": nv * dk,
+            "unrepeated": keys if nv == nk else 0.0,
+            "values": values,
+            "heads": nv,
+            "scores": nv * c,
+            "state": nv * dk * dv / c,
+            "state_seq": nv * dk * dv * per_seq,
+            "keys_seq": keys * per_seq,
+            "values_seq": values * per_seq,
+            "heads_chunk": nv / c,
+            "heads_seq": nv * per_seq,
+            "values_chunk_seq": values * c * per_seq,
+            "heads_keys_chunk_seq": nv * dk * c * per_seq,
+        }
+    h, kv, hd = spec.n_heads / tp, spec.n_kv_heads / tp, spec.head_dim
+    r = spec.rope_dim
+    return {
+        "q": h * hd,
+        "kv": kv * hd,
+        "heads": h,
+        "kv_heads": kv,
+        "q_rope": h * r,
+        "kv_rope": kv * r,
+        "gate_copy": h * hd if h > 1 else 0.0,
+        "no_pass": (h + kv) * hd if r == hd else 0.0,
+    }
+
+
+#: NOTE [Qwen3.5 traffic]: bytes per token the token mixers of hp-trainer's Qwen3.5 blocks move
+#: beyond their input projections' norm, per feature of :func:`_qwen35_features`, for (float32,
+#: bfloat16, bfloat16 under autocast), forward / backward. Counted: a ``TorchDispatchMode``
+#: summed every element-wise aten op's input and output bytes over 38 shapes of the Gated
+#: DeltaNet (more than one value head each) and 30 of the gated attention (heads, head sizes,
+#: rotary shares, chunk and sequence lengths), and these integers reproduce every one
+#: exactly; ``tests/unit/test_elementwise_measured.py`` re-counts two other shapes per mixer
+#: and precision. The norms around the mixer are :func:`_zero_centred_norm`'s, op by op.
+#: What the large terms are:
+#:
+#: - Gated DeltaNet: ``scores`` (the ``[chunk, chunk]`` matrices, one row per token and head:
+#:   decay differences, the causal mask, exp, the products with the key and query scores, the
+#:   unit diagonal, the two triangular solves; backward the same and the mask's and tril's
+#:   gradients, 68 / 164 bytes in float32), the keys after the value heads' repeat
+#:   (``heads_keys``: the repeat, the L2 norm, the decays and the write strengths, the solves'
+#:   right-hand sides), the values (the short convolution's SiLU, the solve, the per-chunk
+#:   corrections, the gated output norm) and the per-head scalars (decay, write strength,
+#:   cumulative sums, norms' rstd); ``state`` is the ``[dk, dv]`` state's update once a chunk;
+#: - gated attention: the zero-centred q / k norms, the output gate's sigmoid and product (and
+#:   the gate's copy out of the fused query projection, none with one head), partial RoPE on
+#:   ``q_rope`` / ``kv_rope`` (10 elements read + written per rotated element, as in NOTE
+#:   [Element-wise traffic]) and the concatenation with the unrotated part.
+#:
+#: The chunk loop indexes each piece by one ``unbind`` and stacks the outputs once: indexing a
+#: chunk at a time gave every index a backward that wrote a whole zero-filled gradient, which
+#: grew with the square of the chunks (this table was what showed it). Sequences that are not a
+#: whole number of chunks pad the last one, which is not counted. One value head per rank makes
+#: some of the copies views (a few bytes per value element fewer than counted).
+_QWEN35_TRAFFIC = {
+    "linear_attention": (
+        {
+            "keys": (32, 16, 16),
+            "heads_keys": (120, 136, 178),
+            "unrepeated": (-16, -8, -8),
+            "values": (120, 130, 128),
+            "heads": (152, 160, 160),
+            "scores": (68, 68, 70),
+            "state": (20, 20, 30),
+            "state_seq": (-16, -16, -14),
+            "keys_seq": (24, 12, 12),
+            "values_seq": (12, 6, 6),
+            "heads_chunk": (16, 16, 16),
+            "heads_seq": (-4, -4, -4),
+            "values_chunk_seq": (0, 0, -6),
+            "heads_keys_chunk_seq": (0, 0, -6),
+        },
+        {
+            "keys": (88, 44, 44),
+            "heads_keys": (340, 348, 390),
+            "unrepeated": (0, -8, -8),
+            "values": (204, 208, 224),
+            "heads": (356, 354, 354),
+            "scores": (164, 164, 178),
+            "state": (48, 48, 66),
+            "state_seq": (-68, -68, -86),
+            "keys_seq": (48, 24, 24),
+            "values_seq": (24, 12, 12),
+            "heads_chunk": (40, 40, 40),
+            "heads_seq": (-12, -12, -12),
+            "values_chunk_seq": (-12, -12, -18),
+            "heads_keys_chunk_seq": (0, 0, -6),
+        },
+    ),
+    "gated_attention": (
+        {
+            "q": (44, 42, 42),
+            "kv": (24, 32, 32),
+            "heads": (4, 4, 4),
+            "kv_heads": (4, 4, 4),
+            "q_rope": (40, 20, 20),
+            "kv_rope": (40, 20, 20),
+            "gate_copy": (8, 4, 4),
+        },
+        {
+            "q": (112, 86, 86),
+            "kv": (60, 60, 60),
+            "heads": (4, 4, 4),
+            "kv_heads": (4, 4, 4),
+            "q_rope": (40, 20, 20),
+            "kv_rope": (40, 20, 20),
+            "no_pass": (-8, -4, -4),
+        },
+    ),
+}
+
+
+def _qwen35_mixer(spec: ModelSpec, mixer: str, tp: int, ab: int, autocast: bool, seq: int):
+    """Bytes per token a Qwen3.5 token mixer moves, forward and backward (NOTE [Qwen3.5
+    traffic])."""
+    col = 0 if ab == 4 else (2 if autocast else 1)
+    feats = _qwen35_features(spec, mixer, tp, seq)
+    fwd, bwd = _QWEN35_TRAFFIC[mixer]
+    return (
+        sum(feats[k] * c[col] for k, c in fwd.items()),
+        sum(feats[k] * c[col] for k, c in bwd.items()),
+    )
+
+
 def block_elementwise(
-    spec: ModelSpec, kind: tuple[str, bool], tp: int, etp: int, ab: int, autocast: bool = False
+    spec: ModelSpec,
+    kind: tuple[str, bool],
+    tp: int,
+    etp: int,
+    ab: int,
+    autocast: bool = False,
+    seq: int = 0,
 ) -> tuple[float, float]:
     """Bytes per token the memory-bound kernels of one block move (read + written), forward and
-    backward (NOTE [Element-wise traffic]). Parameter-sized traffic (weight casts, gradient
-    accumulation) is ``CAST_BYTES`` / ``ACCUMULATE_BYTES`` per parameter."""
+    backward (NOTE [Element-wise traffic], and NOTE [Qwen3.5 traffic] for Qwen3.5's mixers and
+    norms; ``seq`` the sequence length, 0 for long ones). Parameter-sized traffic (weight
+    casts, gradient accumulation) is ``CAST_BYTES`` / ``ACCUMULATE_BYTES`` per parameter."""
     mixer, moe = kind
     d, a = spec.dim, ab
     s = 4 if autocast else ab  # the residual stream's bytes
     pa, pf = _projections(spec, mixer, moe)
+    qwen35 = mixer in ("linear_attention", "gated_attention")
     dl = d / tp  # sequence-sharded under tensor parallelism
     # two fused RMSNorms: read x, write y (the stream's dtype), rstd; backward reads g, x, rstd
     # and writes dx
     fwd = 2 * (2 * s * d + _NORM_STAT) / tp
     bwd = 2 * (3 * s * d + _NORM_STAT) / tp
+    if qwen35:  # zero-centred: unfused scale, fp32 inside
+        zf, zb = _zero_centred_norm(s)
+        fwd, bwd = fwd + 2 * zf * d / tp, bwd + 2 * zb * d / tp
     # residual adds x + branch (stream + bf16 -> stream); backward sums the residual gradient
     # with the one through the norm (stream)
     fwd += 2 * (2 * s + a) * dl
@@ -486,7 +645,10 @@ def block_elementwise(
         fwd += (pa + pf) * (s + a) * d
         bwd += (pa + pf) * (s + a) * d + 2 * (s + a) * dl
     # the token mixer
-    if mixer in ("attention", "gated_attention"):
+    if qwen35:
+        mf, mb = _qwen35_mixer(spec, mixer, tp, ab, autocast, seq)
+        fwd, bwd = fwd + mf, bwd + mb
+    elif mixer == "attention":
         # RoPE x * cos + cat(-x2, x1) * sin on q and k: neg (half), cat, two muls, add = 10
         # elements read + written per rotated element; backward: two muls, neg, the chunk's
         # cat, the sum of the two paths' gradients = 10 again
@@ -495,9 +657,6 @@ def block_elementwise(
         bwd += 10 * a * roped
     elif mixer == "mla":  # not derived op by op: RoPE-like traffic on the heads, backward 2x
         m = 4 * (spec.n_heads + spec.n_kv_heads) * spec.qk_dim / tp * a
-        fwd, bwd = fwd + m, bwd + 2 * m
-    else:  # linear attention: not derived op by op
-        m = 6 * (spec.linear_num_value_heads * spec.linear_value_head_dim) / tp * a
         fwd, bwd = fwd + m, bwd + 2 * m
     # the feed-forward: SwiGLU silu(w1 x) * w3 x reads 2 writes 1 (silu 1 + 1); backward
     # silu_backward (grad, input -> grad) and two muls (3 each)
@@ -525,6 +684,9 @@ def head_elementwise(spec: ModelSpec, tp: int, ab: int, autocast: bool = False):
     target = 8  # int64 target read by nll_loss forward and backward
     fwd = (2 * s * d + _NORM_STAT) / tp + (a + 4) * v + 8 * v + 4 + target
     bwd = 4 * v + target + 12 * v + (4 + a) * v + (3 * s * d + _NORM_STAT) / tp
+    if spec.architecture == "qwen3_5":  # its final norm is zero-centred too
+        zf, zb = _zero_centred_norm(s)
+        fwd, bwd = fwd + zf * d / tp, bwd + zb * d / tp
     if autocast:
         fwd += (s + a) * d
         bwd += (s + a) * d
@@ -696,9 +858,12 @@ def work(
     etp: int,
     ab: int,
     autocast: bool = False,
+    local: int = 0,
 ) -> LayerWork:
     """The forward of one block of ``kind`` (see :class:`LayerWork`); ``autocast`` as in
-    :func:`saved_bytes` (it changes the element-wise traffic only)."""
+    :func:`saved_bytes` (it changes the element-wise traffic only); ``local`` the part of the
+    sequence one context-parallel rank runs (default ``seq``), which the per-sequence and
+    per-chunk traffic follows."""
     mixer, moe = kind
     layer = kind_layer(spec, kind)
     d, h, hd = spec.dim, spec.n_heads, spec.head_dim
@@ -725,7 +890,7 @@ def work(
     else:
         attention = t * seq * h / tp * (spec.qk_dim + spec.v_dim)
     # memory-bound kernels (NOTE [Element-wise traffic]): bytes per token, forward / backward
-    elem_f, elem_b = block_elementwise(spec, kind, tp, etp, ab, autocast)
+    elem_f, elem_b = block_elementwise(spec, kind, tp, etp, ab, autocast, local or seq)
     moe_elem = 0.0
     if moe:
         k = spec.top_k

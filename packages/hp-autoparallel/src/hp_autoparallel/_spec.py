@@ -60,7 +60,8 @@ class ModelSpec:
     of width ``expert_hidden`` (``top_k`` per token) plus shared experts of total width
     ``shared_hidden``. The MLA fields (``kv_lora_rank``, ...) are DeepSeek-V3's, the
     ``linear_*`` fields Qwen3.5's Gated DeltaNet's; ``mtp_layers`` counts DeepSeek-V3's
-    multi-token prediction modules.
+    multi-token prediction modules; ``partial_rotary_factor`` is the share of a head RoPE
+    rotates (Qwen3.5's gated attention: a quarter).
 
     Example::
 
@@ -100,6 +101,7 @@ class ModelSpec:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
     mtp_layers: int = 0
+    partial_rotary_factor: float = 1.0
 
     # -- structure ----------------------------------------------------------------------------
     @property
@@ -127,6 +129,14 @@ class ModelSpec:
         if self.architecture == "deepseek_v3":
             return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dimensions of a head: the first ``partial_rotary_factor`` of it (Qwen3.5),
+        DeepSeek-V3's decoupled RoPE part."""
+        if self.architecture == "deepseek_v3":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def v_dim(self) -> int:

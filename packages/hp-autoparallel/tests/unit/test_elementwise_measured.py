@@ -11,6 +11,10 @@ casts (and the per-position rotary tables); one layer's bytes per token less a b
 head's and the embedding backward's; a second micro-step adds its own traffic plus the
 gradient accumulation.
 
+Qwen3.5's blocks (NOTE [Qwen3.5 traffic]: the Gated DeltaNet and the gated attention, each with
+zero-centred norms) are checked the same way in float32, bfloat16 and bfloat16 under autocast,
+at shapes other than the ones the table was counted at, forward and backward apart.
+
 Two deliberate departures from torch's CPU eager ops, both toward what CUDA runs:
 - CUDA's ``F.rms_norm`` is one fused kernel (``_fused_rms_norm``: reads x and the weight, writes
   y and an fp32 rstd; its backward reads the gradient, x, rstd and the weight, writes dx and
@@ -20,6 +24,9 @@ Two deliberate departures from torch's CPU eager ops, both toward what CUDA runs
 - ``nll_loss`` takes the whole log-probabilities but its kernels read only the target's entry
   per row (forward) and take only the shape (backward, which writes its output whole): their
   ``self`` argument is counted as one element per row, and not at all.
+
+``copy_``, ``fill_`` and ``zero_`` write their destination without reading it: it is counted
+once, as their output.
 """
 
 import collections
@@ -55,6 +62,38 @@ def _rms_norm_backward(
     return dx.to(x.dtype), (g.float() * n).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
 
 
+@torch.library.custom_op("hp_autoparallel_test::fused_rms_norm_plain", mutates_args=())
+def _rms_norm_plain(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * rstd).to(x.dtype), rstd
+
+
+@torch.library.custom_op("hp_autoparallel_test::fused_rms_norm_plain_backward", mutates_args=())
+def _rms_norm_plain_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    n = x.float() * rstd
+    dx = rstd * (g.float() - n * (g.float() * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype)
+
+
+def _setup_plain(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward_plain(ctx, g, _grstd):
+    x, rstd = ctx.saved_tensors
+    return _rms_norm_plain_backward(g, x, rstd), None
+
+
+_rms_norm_plain.register_autograd(_backward_plain, setup_context=_setup_plain)
+
+
+def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` without a weight (how Qwen3.5's norms call it) as one fused op."""
+    assert weight is None
+    return _rms_norm_plain(x, 1e-6 if eps is None else eps)[0]
+
+
 def _setup(ctx, inputs, output):
     x, w, _ = inputs
     ctx.save_for_backward(x, output[1], w)
@@ -80,6 +119,10 @@ _NOT_ELEMENTWISE = ("mm", "addmm", "bmm", "matmul", "embedding")  # the lookup (
 _ATTENTION = ("scaled_dot_product", "_scaled_dot_product", "_flash_attention", "_efficient")
 
 
+#: in-place ops that overwrite their first argument without reading it
+_WRITE_ONLY = ("copy_", "fill_", "zero_")
+
+
 def _nbytes(t):
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -99,7 +142,9 @@ class _Traffic(TorchDispatchMode):
             return out
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         n = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in tree_flatten(out)[0])
-        if name == "nll_loss_forward":  # reads one log-probability per row
+        if name in _WRITE_ONLY:  # the destination is written, not read
+            n -= _nbytes(args[0])
+        elif name == "nll_loss_forward":  # reads one log-probability per row
             n += ins[0].shape[0] * ins[0].element_size() - _nbytes(ins[0])
         elif name == "nll_loss_backward":  # (grad, self, target, weight?, total_weight)
             n -= _nbytes(ins[1])
@@ -201,3 +246,73 @@ def test_gradient_accumulation_bytes_match_torch():
     two, _ = _step_bytes(1, 1, micro_steps=2)
     params = sum(p.numel() for p in model.parameters())
     assert two - 2 * one == pytest.approx(L.ACCUMULATE_BYTES * params)
+
+
+#: Qwen3.5 block shapes none of NOTE [Qwen3.5 traffic]'s counts used: the Gated DeltaNet's
+#: heads, head sizes and sequence (its chunk is the model's 64), the gated attention's heads,
+#: head size, partial rotary share and sequence
+_QWEN35_SHAPES = [
+    ("linear_attention", dict(dim=64, ffn_hidden=128, linear_num_key_heads=2,
+        linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=24), 192),
+    ("linear_attention", dict(dim=48, ffn_hidden=96, linear_num_key_heads=3,
+        linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=16), 128),
+    ("full_attention", dict(dim=64, ffn_hidden=128, n_heads=6, n_kv_heads=2, head_dim=24,
+        partial_rotary_factor=0.25), 96),
+    ("full_attention", dict(dim=48, ffn_hidden=96, n_heads=2, n_kv_heads=2, head_dim=16,
+        partial_rotary_factor=1.0), 160),
+]  # fmt: skip
+
+
+def _qwen35_block_bytes(kind, fields, seq, precision):
+    """One Qwen3.5 block's element-wise bytes per token, forward and backward, from the
+    differences over blocks (1 -> 3) and sequences (2 -> 4)."""
+    from hp_trainer import ParallelDims
+    from hp_trainer._parallelize import ParallelizeConfig, parallelize_llama
+    from hp_trainer.models import CONFIGS, Transformer
+
+    def config(n):
+        return CONFIGS["qwen3.5-tiny"].replace(
+            n_layers=n, layer_types=(kind,) * n, max_seq_len=seq, **fields
+        )
+
+    def measure(n, batch):
+        torch.manual_seed(0)
+        model = Transformer(config(n))
+        if precision == "autocast":
+            parallelize_llama(
+                model,
+                parallel_dims=ParallelDims(world_size=1),
+                config=ParallelizeConfig(activation_checkpoint="none", param_dtype=torch.bfloat16),
+            )
+        elif precision == "bf16":
+            model.to(torch.bfloat16)
+        vocab = model.config.vocab_size
+        x, y = (torch.randint(0, vocab, (batch, seq)) for _ in range(2))
+
+        def loss():
+            return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+        loss().backward()  # warm-up
+        model.zero_grad(set_to_none=True)
+        fwd, bwd = _Traffic(), _Traffic()
+        with fwd:
+            out = loss()
+        with bwd:
+            out.backward()
+        return sum(fwd.by_op.values()), sum(bwd.by_op.values())
+
+    m = {(n, b): measure(n, b) for n in (1, 3) for b in (2, 4)}
+    per_token = [
+        ((m[3, 4][i] - m[1, 4][i]) - (m[3, 2][i] - m[1, 2][i])) / (2 * 2 * seq) for i in (0, 1)
+    ]
+    return per_token, spec_from_config(config(2), name="qwen35-elementwise")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("kind, fields, seq", _QWEN35_SHAPES)
+def test_qwen35_block_bytes_per_token_match_torch(monkeypatch, kind, fields, seq, precision):
+    monkeypatch.setattr(F, "rms_norm", _fused_rms_norm)
+    (fwd, bwd), spec = _qwen35_block_bytes(kind, fields, seq, precision)
+    ab, autocast = {"fp32": (4, False), "bf16": (2, False), "autocast": (2, True)}[precision]
+    pf, pb = L.block_elementwise(spec, L.kind_of(spec, 0), 1, 1, ab, autocast, seq)
+    assert (fwd, bwd) == (pytest.approx(pf), pytest.approx(pb))
