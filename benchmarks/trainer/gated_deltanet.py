@@ -29,11 +29,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _anchor():
-    """transformers' torch chunked rule, or None where transformers lacks Qwen3.5."""
+    """transformers' torch chunked rule (Qwen3.5's, else Qwen3-Next's, the same function), or
+    None where transformers has neither."""
     try:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
     except ImportError:
-        return None
+        try:
+            from transformers.models.qwen3_next.modeling_qwen3_next import (
+                torch_chunk_gated_delta_rule,
+            )
+        except ImportError:
+            return None
 
     def rule(q, k, v, g, beta):
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)[0]
