@@ -255,7 +255,7 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     key, value, a, low = hk * dk, h * dv, ab, ab < 4
     halo = (spec.linear_conv_kernel - 1) / seq if seq else 0.0
     n = -(-seq // c) if seq else 0
-    later = (n - 1) / n if n else 1.0  # the chunks after the first (their state needs a gradient)
+    later = _later_chunks(seq)  # the chunks after the first (their state needs a gradient)
     # projections: each convolution saves its input, its SiLU the padded convolution output;
     # beta's sigmoid output; the decay's softplus input and output (fp32)
     out = a * (2 * key + value) * (2 + halo) + a * h + 8 * h
@@ -292,6 +292,13 @@ def _gdn_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: int) -> f
     return out
 
 
+def _later_chunks(seq: int) -> float:
+    """The share of the chunked rule's chunks after the first (1 when ``seq`` is 0: long
+    sequences): the first chunk's state needs no gradient, the last one's update is not run."""
+    n = -(-seq // GDN_CHUNK) if seq else 0
+    return (n - 1) / n if n else 1.0
+
+
 def _padded(seq: int) -> float:
     """The chunked rule's tensors per token of ``seq``: it pads to whole chunks (1 when
     ``seq`` is 0: long sequences)."""
@@ -307,9 +314,7 @@ def _gdn_matmul_outputs(spec: ModelSpec, tp: int, ab: int, autocast: bool, seq: 
     h, dk, c = spec.linear_num_value_heads / tp, spec.linear_key_head_dim, GDN_CHUNK
     dv = spec.linear_value_head_dim
     size = ab if autocast else 4
-    n = -(-seq // c) if seq else 0
-    later = (n - 1) / n if n else 1.0
-    return size * h * (2 * c + 3 * dv + later * dk * dv / c) * _padded(seq)
+    return size * h * (2 * c + 3 * dv + _later_chunks(seq) * dk * dv / c) * _padded(seq)
 
 
 def _gated_attention_mixer(spec: ModelSpec, tp: int, ab: int, autocast: bool) -> float:
@@ -622,13 +627,12 @@ def block_elementwise(
     d, a = spec.dim, ab
     s = 4 if autocast else ab  # the residual stream's bytes
     pa, pf = _projections(spec, mixer, moe)
-    qwen35 = mixer in ("linear_attention", "gated_attention")
     dl = d / tp  # sequence-sharded under tensor parallelism
     # two fused RMSNorms: read x, write y (the stream's dtype), rstd; backward reads g, x, rstd
     # and writes dx
     fwd = 2 * (2 * s * d + _NORM_STAT) / tp
     bwd = 2 * (3 * s * d + _NORM_STAT) / tp
-    if qwen35:  # zero-centred: unfused scale, fp32 inside
+    if spec.architecture == "qwen3_5":  # zero-centred: unfused scale, fp32 inside
         zf, zb = _zero_centred_norm(s)
         fwd, bwd = fwd + 2 * zf * d / tp, bwd + 2 * zb * d / tp
     # residual adds x + branch (stream + bf16 -> stream); backward sums the residual gradient
@@ -645,14 +649,14 @@ def block_elementwise(
         fwd += (pa + pf) * (s + a) * d
         bwd += (pa + pf) * (s + a) * d + 2 * (s + a) * dl
     # the token mixer
-    if qwen35:
+    if mixer in _QWEN35_TRAFFIC:
         mf, mb = _qwen35_mixer(spec, mixer, tp, ab, autocast, seq)
         fwd, bwd = fwd + mf, bwd + mb
     elif mixer == "attention":
         # RoPE x * cos + cat(-x2, x1) * sin on q and k: neg (half), cat, two muls, add = 10
         # elements read + written per rotated element; backward: two muls, neg, the chunk's
         # cat, the sum of the two paths' gradients = 10 again
-        roped = (spec.n_heads + spec.n_kv_heads) * spec.qk_dim / tp
+        roped = (spec.n_heads + spec.n_kv_heads) * spec.rope_dim / tp
         fwd += 10 * a * roped
         bwd += 10 * a * roped
     elif mixer == "mla":  # not derived op by op: RoPE-like traffic on the heads, backward 2x

@@ -30,16 +30,21 @@ __all__ = [
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """At least float32: lower precisions are raised, float64 stays (for float64 oracles)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x.to(_f32_dtype(x))
+
+
+def _f32_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`_f32` gives ``x``."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _f32_heads_first(x: torch.Tensor) -> torch.Tensor:
     """``[b, s, h, d]`` -> a contiguous ``[b, h, s, d]`` of at least float32 (one copy)."""
     y = x.transpose(1, 2)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     # one copy_ that casts and lays out at once (``to`` would keep the strides, and a later
     # ``contiguous`` copy again)
-    return torch.empty_like(y, dtype=dtype, memory_format=torch.contiguous_format).copy_(y)
+    out = torch.empty_like(y, dtype=_f32_dtype(x), memory_format=torch.contiguous_format)
+    return out.copy_(y)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
