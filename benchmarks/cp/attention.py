@@ -4,11 +4,12 @@ work, in one process.
 Context parallelism's ring (and all-gather) attention computes each rank's queries against
 every rank's keys as blocks of whole chunks (full or causal) with a fused kernel that returns
 the log-sum-exp, merges the partial outputs in float32, and in backward recomputes each block
-from the merged output. Here all ``cp`` ranks' blocks run one after another on one device
-(``hp_dtensor.parallel._context``'s own forward, merge and block backward, with the keys and
-values of every rank handed over directly instead of sent): together they are the whole
-sequence's causal attention, which the anchor computes in one
-``scaled_dot_product_attention`` call (flash on CUDA; the CPU flash kernel on CPU), forward and
+from the merged output, the key/value gradients travelling with their blocks. Here all
+``cp`` ranks' blocks run on one device (``hp_dtensor.parallel._context``'s own forward, merge
+and ring backward steps, ``_ring_in_one_process``: keys, values and gradient accumulators
+handed over directly instead of sent): together they are the whole sequence's causal
+attention, which the anchor computes in one ``scaled_dot_product_attention`` call (its own
+choice: cuDNN on Hopper, also timed flash-only; the CPU flash kernel on CPU), forward and
 backward. The ratio (ours / SDPA) minus one is the blocking's overhead.
 
     python benchmarks/cp/attention.py --device cuda --seqs 32768,131072 --cp 2,4
@@ -46,15 +47,11 @@ def _pieces(q, k, v, dout, cp, load_balance=True):
 
 
 def _blockwise(pieces, cp, load_balance=True):
-    """Every rank's blocks, forward then backward, one rank after another; returns each rank's
-    output and dq, dk, dv."""
+    """Every rank's blocks, forward and backward (the ring's own code, its transfers left
+    out); returns each rank's output and dq, dk, dv."""
     q, k = pieces[0][0], pieces[0][1]
-    acc = ctxp._acc_dtype(q.dtype)
-    dk = [torch.zeros(p[1].shape, dtype=acc, device=q.device) for p in pieces]
-    dv = [torch.zeros(p[2].shape, dtype=acc, device=q.device) for p in pieces]
-    outs, dqs = [], []
-    for r in range(cp):
-        cfg = ctxp._Config(
+    cfgs = [
+        ctxp._Config(
             mesh=None,
             cp=cp,
             rank=r,
@@ -65,16 +62,9 @@ def _blockwise(pieces, cp, load_balance=True):
             method="ring",
             overlap=False,
         )
-        ql, _, _, dl = pieces[r]
-        blocks = [(src, pieces[src][1], pieces[src][2]) for src in range(cp)]
-        out, lse, aux = ctxp._forward(ql, None, pieces[r][2], cfg, blocks=blocks)
-        dq = torch.zeros(ql.shape, dtype=acc, device=q.device)
-        rows: dict = {}  # as _backward does: each query chunk's dense rows made once
-        for src, kb, vb in blocks:
-            ctxp._block_grads(dl, ql, out, lse, aux, cfg, src, kb, vb, dq, dk[src], dv[src], rows)
-        outs.append(out)
-        dqs.append(dq)
-    return outs, dqs, dk, dv
+        for r in range(cp)
+    ]
+    return [list(t) for t in zip(*ctxp._ring_in_one_process(pieces, cfgs))]
 
 
 def _sdpa(q, k, v, dout, backend=None):

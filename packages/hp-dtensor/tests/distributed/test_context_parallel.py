@@ -383,6 +383,7 @@ def _shard_and_errors():
         "mesh_rank": lambda: context_parallel_attention(
             q, q, q, hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
         ),
+        "dtypes": lambda: context_parallel_attention(q, q.double(), q, mesh),
         "style_method": lambda: ContextParallel(method="tree"),
         "overlap_method": lambda: context_parallel_attention(
             torch.randn(1, 4, 4, 8),
@@ -422,6 +423,7 @@ def test_shard_unshard_and_errors(pool2):
         assert "splits the 3 query heads over cp = 2" in msgs["ulysses_heads"]
         assert "need enable_gqa=True" in msgs["gqa"]
         assert "needs a 1-D mesh" in msgs["mesh_rank"] and "mesh['cp']" in msgs["mesh_rank"]
+        assert "must share a dtype" in msgs["dtypes"] and "torch.float64" in msgs["dtypes"]
         assert "method='tree'" in msgs["style_method"]
         assert "overlap=True overlaps the ring's transfers" in msgs["overlap_method"]
         assert "AsyncContextParallel overlaps the ring" in msgs["async_method"]

@@ -446,35 +446,131 @@ def _merge_rows(cur_o, cur_l, o, lb) -> None:
     cur_l.copy_(new)
 
 
+def _merge_rows_into(cur_o, cur_l, o, lb, dst) -> None:
+    """:func:`_merge_rows` for the rows' last block: the merged output written to ``dst`` (in
+    its own dtype, a different tensor from ``cur_o``) instead of back into ``cur_o``."""
+    new = torch.logaddexp(cur_l, lb)
+    dst.copy_(cur_o * torch.exp(cur_l - new).unsqueeze(-1) + o * torch.exp(lb - new).unsqueeze(-1))
+    cur_l.copy_(new)
+
+
 _COMPILE_MERGE_ON = ("cuda",)  # device types whose merge is compiled (tests add "cpu")
 
 
 @functools.cache
+def _compiled(fn):
+    """``fn`` (one of the merges above) through ``torch.compile``: a pure function, so the
+    cache holds no model's or mesh's state; dynamo's recompile limit for it is shared by the
+    process."""
+    return torch.compile(fn, dynamic=None)
+
+
 def _compiled_merge():
-    """``_merge_rows`` through ``torch.compile`` (a pure function: the cache holds no model's or
-    mesh's state; dynamo's recompile limit for it is shared by the process)."""
-    return torch.compile(_merge_rows, dynamic=None)
+    """The compiled :func:`_merge_rows`."""
+    return _compiled(_merge_rows)
 
 
-def _merge_fn(t: torch.Tensor):
-    """``_merge_rows`` for ``t``'s rows: on CUDA compiled (two fused kernels, the output rows
-    and the log-sum-exp rows; eager it is seven small ones per block, which at 4-8k-token
-    blocks cost as much as the attention: RESULTS.md); eager elsewhere and for fake tensors
-    (a dry run under ``FakeTensorMode``: compiled code would read their empty storage)."""
+def _merge_fn(t: torch.Tensor, fn=_merge_rows):
+    """``fn`` (:func:`_merge_rows` or :func:`_merge_rows_into`) for ``t``'s rows: on CUDA
+    compiled (fused kernels, the output rows and the log-sum-exp rows; eager it is seven small
+    ones per block, which at 4-8k-token blocks cost as much as the attention: RESULTS.md);
+    eager elsewhere and for fake tensors (a dry run under ``FakeTensorMode``: compiled code
+    would read their empty storage)."""
     if t.device.type not in _COMPILE_MERGE_ON or is_fake(t):
-        return _merge_rows
-    return _compiled_merge()
+        return fn
+    return _compiled(fn)
 
 
-def _merge(out, lse, lo, hi, o, lb, first: bool) -> None:
-    """Fold a block's ``(o, lb)`` into the running ``(out, lse)`` of query rows ``lo:hi``
-    (``first``: the rows' first block, copied), in place and in the accumulation dtype."""
-    cur_o, cur_l = out[:, :, lo:hi], lse[:, :, lo:hi]
-    if first:
-        cur_o.copy_(o)
-        cur_l.copy_(lb)
-        return
-    _merge_fn(out)(cur_o, cur_l, o, lb)
+class _RowFold:
+    """A local tensor's rows accumulated over the blocks that reach them, in the accumulation
+    dtype: summed (gradients), or with ``merge`` merged by log-sum-exp (the forward's output,
+    whose running ``lse`` this holds). The rows come in whole chunks of ``chunk`` rows.
+
+    With ``counts`` (how many blocks reach each chunk, known from the plan) a chunk's first
+    block is copied in (no zero fill beforehand) and, for 16-bit inputs, its last is folded
+    straight into the result in the input dtype (no separate conversion pass afterwards): at
+    2-4k-token blocks these elementwise passes were much of the blockwise path's cost beyond
+    the kernels (RESULTS.md). The two buffers are made when first needed. Without ``counts``
+    (document masks, where a block may reach no row) the accumulator starts at zero (and
+    ``lse`` at -inf) and :meth:`result` converts it."""
+
+    def __init__(self, shape, dtype, device, chunk: int, counts, merge: bool = False) -> None:
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.acc_dtype = _acc_dtype(dtype)
+        self.chunk, self.counts = chunk, counts
+        self.seen = [0] * (self.shape[2] // chunk)
+        self.split = counts is not None and self.acc_dtype != dtype  # the last fold converts
+        self._acc = self._out = None
+        if counts is None:
+            self._acc = torch.zeros(self.shape, dtype=self.acc_dtype, device=device)
+        self.lse = None
+        if merge:
+            self.lse = (
+                torch.empty(self.shape[:3], dtype=self.acc_dtype, device=device)
+                if counts is not None
+                else torch.full(self.shape[:3], float("-inf"), dtype=self.acc_dtype, device=device)
+            )
+
+    def _buffer(self, final: bool) -> torch.Tensor:
+        """The accumulator, or with ``final`` (and :attr:`split`) the result, made on first use."""
+        if final and self.split:
+            if self._out is None:
+                self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            return self._out
+        if self._acc is None:
+            self._acc = torch.empty(self.shape, dtype=self.acc_dtype, device=self.device)
+        return self._acc
+
+    def add(self, lo: int, hi: int, g: torch.Tensor, lb: torch.Tensor | None = None) -> None:
+        """Fold one block's rows ``lo:hi`` (``g``, and with ``merge`` its log-sum-exp ``lb``)."""
+        c = self.chunk
+        runs: list[list] = []  # [first chunk, end chunk, (first, last)]
+        for ch in range(lo // c, hi // c):
+            n = self.seen[ch]
+            if self.counts is not None and n >= self.counts[ch]:
+                raise RuntimeError(
+                    f"context parallelism: local chunk {ch} reached by more blocks than the "
+                    f"plan's {self.counts[ch]}"
+                )
+            state = (n == 0, self.split and n + 1 == self.counts[ch])
+            self.seen[ch] = n + 1
+            if runs and runs[-1][2] == state:
+                runs[-1][1] = ch + 1
+            else:
+                runs.append([ch, ch + 1, state])
+        for a, b, (first, last) in runs:
+            rows, part = slice(a * c, b * c), slice(a * c - lo, b * c - lo)
+            self._fold(rows, g[:, :, part], None if lb is None else lb[:, :, part], first, last)
+
+    def _fold(self, rows: slice, g, lb, first: bool, last: bool) -> None:
+        # last (16-bit inputs): straight into the result, from the accumulator unless first
+        dst = self._buffer(last)[:, :, rows]
+        if first:
+            dst.copy_(g)
+            if lb is not None:
+                self.lse[:, :, rows].copy_(lb)
+            return
+        acc = self._buffer(False)[:, :, rows]
+        if lb is None:  # a sum
+            if last:
+                torch.add(acc, g, out=dst)
+            else:
+                acc.add_(g)
+        elif last:
+            _merge_fn(acc, _merge_rows_into)(acc, self.lse[:, :, rows], g, lb, dst)
+        else:
+            _merge_fn(acc)(acc, self.lse[:, :, rows], g, lb)
+
+    def result(self) -> torch.Tensor:
+        """The accumulated tensor in the input dtype (every block folded in)."""
+        if self.counts is None:
+            return self._acc.to(self.dtype)
+        if self.seen != self.counts:
+            raise RuntimeError(
+                f"context parallelism: local chunks reached by {self.seen} blocks, the plan "
+                f"says {self.counts}"
+            )
+        return self._out if self.split else self._acc
 
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -588,29 +684,58 @@ def _document_mask(cfg: _Config, rank: int, src: int, lq: int) -> torch.Tensor |
     pk = torch.tensor(positions[src], device=cfg.device)
     dq = torch.tensor([doc[i] for i in positions[rank]], device=cfg.device)
     dk = torch.tensor([doc[i] for i in positions[src]], device=cfg.device)
+    # whether anything is visible, from the positions (not from the mask: a dry run's fake
+    # tensors hold no values): some document with a key no later than one of its queries
+    last_q: dict[int, int] = {}
+    for i in positions[rank]:
+        last_q[doc[i]] = max(last_q.get(doc[i], i), i)
+    if not any(
+        doc[j] in last_q and (not cfg.causal or j <= last_q[doc[j]]) for j in positions[src]
+    ):
+        return None
     mask = dq[:, None] == dk[None, :]
     if cfg.causal:
         mask &= pk[None, :] <= pq[:, None]
-    return mask if bool(mask.any()) else None
+    return mask
+
+
+def _chunk_counts(cfg: _Config) -> list[int] | None:
+    """How many blocks reach each of this rank's local query chunks (from the plan: each
+    rank's keys once), or None with document masks (known only from the masks)."""
+    if cfg.documents is not None:
+        return None
+    counts = [0] * len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
+    for src in range(cfg.cp):
+        for (qlo, qhi), _, _ in plan.block_calls(
+            cfg.cp, cfg.rank, src, cfg.causal, cfg.load_balance
+        ):
+            for c in range(qlo, qhi):
+                counts[c] += 1
+    return counts if all(counts) else None
+
+
+def _query_chunk(cfg: _Config, lq: int) -> int:
+    """Rows per local query chunk (the whole local sequence with document masks)."""
+    if cfg.documents is not None:
+        return lq
+    return lq // len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
 
 
 def _forward(q, k, v, cfg: _Config, blocks=None):
     """This rank's ``(out, lse, aux)`` over ``blocks`` (``(src, k_block, v_block)`` of every
     rank; by default moved by ``cfg.method``)."""
     b, h, lq, _ = q.shape
-    acc = _acc_dtype(q.dtype)
-    out = q.new_zeros((b, h, lq, v.shape[-1]), dtype=acc)
-    lse = q.new_full((b, h, lq), float("-inf"), dtype=acc)
+    fold = _RowFold(
+        (b, h, lq, v.shape[-1]),
+        q.dtype,
+        q.device,
+        _query_chunk(cfg, lq),
+        _chunk_counts(cfg),
+        merge=True,
+    )
     aux = {}
     if blocks is None:
         blocks = _ring_blocks(k, v, cfg) if cfg.method == "ring" else _gathered_blocks(k, v, cfg)
-    nq = (
-        1
-        if cfg.documents is not None
-        else len(plan.local_chunks(cfg.cp, cfg.rank, cfg.load_balance))
-    )
-    cq = lq // nq
-    touched = [False] * nq  # the local query chunks some block has reached
     for src, kb, vb in blocks:
         calls = _calls(cfg, src, lq, kb.shape[2])
         for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
@@ -622,11 +747,8 @@ def _forward(q, k, v, cfg: _Config, blocks=None):
                 cfg.scale,
                 mask,
             )
-            chunks = range(qlo // cq, qhi // cq)
-            _merge(out, lse, qlo, qhi, o, lb, not any(touched[c] for c in chunks))
-            for c in chunks:
-                touched[c] = True
-    return out.to(q.dtype), lse, aux
+            fold.add(qlo, qhi, o, lb)
+    return fold.result(), fold.lse, aux
 
 
 def _query_rows(rows: dict | None, dout, q, out, lse, qlo: int, qhi: int) -> tuple:
@@ -642,65 +764,146 @@ def _query_rows(rows: dict | None, dout, q, out, lse, qlo: int, qhi: int) -> tup
     return hit
 
 
-def _block_grads(
-    dout, q, out, lse, aux, cfg: _Config, src, kb, vb, dq, dkb, dvb, rows: dict | None = None
-) -> None:
-    """Add the gradients of this rank's queries' blocks against rank ``src``'s keys and values
-    (``kb``, ``vb``) into ``dq`` and that block's ``dkb``, ``dvb``. ``rows``: a dict kept over
-    one backward's calls, where the dense query rows are made once (:func:`_query_rows`)."""
-    calls = _calls(cfg, src, q.shape[2], kb.shape[2])
-    for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
-        g_rows, q_rows, o_rows, l_rows = _query_rows(rows, dout, q, out, lse, qlo, qhi)
-        gq, gk, gv = _block_bwd(
-            g_rows,
-            q_rows,
-            _expand(kb[:, :, klo:khi], cfg.groups),
-            _expand(vb[:, :, klo:khi], cfg.groups),
-            o_rows,
-            l_rows,
-            causal,
-            cfg.scale,
-            aux[(src, i)],
-            mask,
+class _RankGrads:
+    """One rank's part of the blockwise backward: its queries' gradient, summed over every
+    rank's key/value block (:meth:`block`), and the blocks' key/value gradients handed back
+    per block for the caller to move (:meth:`ring_step` folds them into the ring's travelling
+    accumulators). Made once per backward: it also keeps the dense query rows
+    (:func:`_query_rows`)."""
+
+    def __init__(self, dout, q, out, lse, aux, cfg: _Config) -> None:
+        self.dout, self.q, self.out, self.lse, self.aux, self.cfg = dout, q, out, lse, aux, cfg
+        self.rows: dict = {}
+        self.dq = _RowFold(
+            q.shape, q.dtype, q.device, _query_chunk(cfg, q.shape[2]), _chunk_counts(cfg)
         )
-        dq[:, :, qlo:qhi] += gq
-        dkb[:, :, klo:khi] += _reduce_groups(gk, cfg.groups)
-        dvb[:, :, klo:khi] += _reduce_groups(gv, cfg.groups)
+
+    def block(self, src: int, kb, vb) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Fold the gradient of this rank's queries against rank ``src``'s keys and values
+        (``kb``, ``vb``) into the query gradient; return the block's key/value gradient
+        contributions, ``(k_lo, k_hi, dk, dv)`` of rows ``k_lo:k_hi`` (float32 at least for
+        grouped heads, else the kernel's dtype)."""
+        cfg = self.cfg
+        contributions = []
+        calls = _calls(cfg, src, self.q.shape[2], kb.shape[2])
+        for i, ((qlo, qhi), (klo, khi), causal, mask) in enumerate(calls):
+            g_rows, q_rows, o_rows, l_rows = _query_rows(
+                self.rows, self.dout, self.q, self.out, self.lse, qlo, qhi
+            )
+            gq, gk, gv = _block_bwd(
+                g_rows,
+                q_rows,
+                _expand(kb[:, :, klo:khi], cfg.groups),
+                _expand(vb[:, :, klo:khi], cfg.groups),
+                o_rows,
+                l_rows,
+                causal,
+                cfg.scale,
+                self.aux[(src, i)],
+                mask,
+            )
+            self.dq.add(qlo, qhi, gq)
+            contributions.append(
+                (klo, khi, _reduce_groups(gk, cfg.groups), _reduce_groups(gv, cfg.groups))
+            )
+        return contributions
+
+    def ring_step(self, i: int, kb, vb, dkb, dvb):
+        """Ring step ``i`` (rank ``src = rank - i``'s block ``kb``, ``vb``): this rank's
+        contributions folded into the block's travelling gradient accumulators ``dkb``, ``dvb``
+        (None at step 0, where they start); returns them, at the last step (complete, on their
+        way home) in the keys' and values' dtype: the rounding is the same before the last
+        transfer as after it, and for 16-bit inputs that transfer carries half the bytes."""
+        src = (self.cfg.rank - i) % self.cfg.cp
+        parts = self.block(src, kb, vb)
+        last = i == self.cfg.cp - 1
+        dkb = _fold_block(dkb, kb, [(lo, hi, gk) for lo, hi, gk, _ in parts], last)
+        dvb = _fold_block(dvb, vb, [(lo, hi, gv) for lo, hi, _, gv in parts], last)
+        return dkb, dvb
+
+    def dq_result(self) -> torch.Tensor:
+        """The query gradient in the queries' dtype (once every block has been through)."""
+        return self.dq.result()
+
+
+def _fold_block(acc, like: torch.Tensor, parts, last: bool) -> torch.Tensor:
+    """A travelling key/value gradient accumulator (shaped as ``like``; None before its first
+    step) plus this rank's contributions ``(lo, hi, g)`` of rows ``lo:hi``: a first
+    contribution covering every row is taken as the accumulator (no zero fill); at the ``last``
+    step the result is in ``like``'s dtype, a single contribution added straight into it. The
+    contributions are the kernels' fresh outputs (or views of them, for padded values): the
+    first one may become the accumulator, added into in place at later steps."""
+    dtype, acc_dtype = like.dtype, _acc_dtype(like.dtype)
+    whole = len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == like.shape[2]
+    if acc is None:
+        if whole:
+            g = parts[0][2]
+            return g.to(dtype) if last else g.to(acc_dtype)
+        acc = torch.zeros(like.shape, dtype=acc_dtype, device=like.device)
+    if last and len(parts) == 1 and acc_dtype != dtype:
+        lo, hi, g = parts[0]
+        res = torch.empty(like.shape, dtype=dtype, device=like.device)
+        torch.add(acc[:, :, lo:hi], g, out=res[:, :, lo:hi])
+        res[:, :, :lo].copy_(acc[:, :, :lo])
+        res[:, :, hi:].copy_(acc[:, :, hi:])
+        return res
+    for lo, hi, g in parts:
+        acc[:, :, lo:hi] += g
+    return acc.to(dtype) if last else acc
 
 
 def _backward(dout, q, k, v, out, lse, aux, cfg: _Config):
-    acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    rows: dict = {}  # the dense query rows of this backward, made once (_query_rows)
-
-    def block_grads(src, kb, vb, dkb, dvb):
-        _block_grads(dout, q, out, lse, aux, cfg, src, kb, vb, dq, dkb, dvb, rows)
-
+    grads = _RankGrads(dout, q, out, lse, aux, cfg)
     if cfg.method == "allgather":
+        acc = _acc_dtype(q.dtype)
         ks, vs = _stack_gather(k, cfg), _stack_gather(v, cfg)
         dks = torch.zeros(ks.shape, dtype=acc, device=k.device)
         dvs = torch.zeros(vs.shape, dtype=acc, device=v.device)
         for src in range(cfg.cp):
-            block_grads(src, ks[src], vs[src], dks[src], dvs[src])
+            for lo, hi, gk, gv in grads.block(src, ks[src], vs[src]):
+                dks[src][:, :, lo:hi] += gk
+                dvs[src][:, :, lo:hi] += gv
         platform, group = get_platform(cfg.mesh.device_type), cfg.mesh.get_group()
         dk = torch.empty(k.shape, dtype=acc, device=k.device)
         dv = torch.empty(v.shape, dtype=acc, device=v.device)
         platform.reduce_scatter_into(dk, dks.view(-1, *k.shape[1:]), "sum", group)
         platform.reduce_scatter_into(dv, dvs.view(-1, *v.shape[1:]), "sum", group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return grads.dq_result(), dk.to(k.dtype), dv.to(v.dtype)
     # ring: each block's gradient accumulators travel with it and come home after cp shifts
-    kb, vb = k, v
-    dkb = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dvb = torch.zeros(v.shape, dtype=acc, device=v.device)
+    kb, vb, dkb, dvb = k, v, None, None
     for i in range(cfg.cp):
-        src = (cfg.rank - i) % cfg.cp
         last = i == cfg.cp - 1
         kv_next = _Shift([kb, vb], cfg) if cfg.overlap and not last else None
-        block_grads(src, kb, vb, dkb, dvb)
+        dkb, dvb = grads.ring_step(i, kb, vb, dkb, dvb)
         if not last:
             kb, vb = (kv_next or _Shift([kb, vb], cfg)).wait()
         dkb, dvb = _Shift([dkb, dvb], cfg).wait()
-    return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype)
+    return grads.dq_result(), dkb, dvb
+
+
+def _ring_in_one_process(pieces, cfgs: list[_Config]):
+    """The ring's forward and backward for every rank in one process, with no transfers: the
+    blockwise kernel path alone (``benchmarks/cp/attention.py`` times it; tests check it).
+    ``pieces[r]`` is rank ``r``'s ``(q, k, v, dout)``, ``cfgs[r]`` its config. The forwards
+    run one rank after another; the backward's steps in lockstep, each rank's step ``i`` and
+    then the key/value gradient accumulators handed to the next rank, as the ring's shifts
+    would. Returns every rank's ``(out, dq, dk, dv)``."""
+    cp = len(pieces)
+    grads, outs = [], []
+    for r, cfg in enumerate(cfgs):
+        q, _, v, dout = pieces[r]
+        blocks = [(src, pieces[src][1], pieces[src][2]) for src in range(cp)]
+        out, lse, aux = _forward(q, None, v, cfg, blocks=blocks)
+        grads.append(_RankGrads(dout, q, out, lse, aux, cfg))
+        outs.append(out)
+    held = [(None, None)] * cp  # the accumulators at each rank, of block (rank - i)
+    for i in range(cp):
+        sent = [
+            grads[r].ring_step(i, pieces[(r - i) % cp][1], pieces[(r - i) % cp][2], *held[r])
+            for r in range(cp)
+        ]
+        held = [sent[(r - 1) % cp] for r in range(cp)]
+    return [(outs[r], grads[r].dq_result(), *held[r]) for r in range(cp)]
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -926,6 +1129,11 @@ def context_parallel_attention(
         raise ContextParallelError(
             f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
             "the batch and the local sequence length"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ContextParallelError(
+            f"{fn}: q ({q.dtype}), k ({k.dtype}) and v ({v.dtype}) must share a dtype, as "
+            "scaled_dot_product_attention requires: cast them to one"
         )
     if k.shape[3] != d or v.shape[1] != k.shape[1]:
         raise ContextParallelError(
