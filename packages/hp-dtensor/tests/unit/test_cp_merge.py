@@ -256,3 +256,16 @@ def test_on_cuda_the_compiled_merge_equals_eager_and_fake_cuda_tensors_run_eager
         assert f_out.device.type == "cuda"
         assert ctxp._merge_fn(f_out) is ctxp._merge_rows
         ctxp._merge_fn(f_out)(f_out[:, :, lo:hi], f_lse[:, :, lo:hi], f_o, f_lb)  # shapes only
+
+
+def test_a_dry_run_with_document_masks_needs_no_values():
+    """Under ``FakeTensorMode`` (the planner's dry run) document masks decide which blocks
+    exist from the positions alone: fake tensors hold no values to test."""
+    docs, cp = (5, 11, 8), 3
+    with FakeTensorMode():
+        pieces = [[torch.randn(1, 4, 8, 16) for _ in range(4)] for _ in range(cp)]
+        cfgs = [
+            ctxp._Config(None, cp, r, True, True, 0.25, 1, "ring", False, docs) for r in range(cp)
+        ]
+        got = ctxp._ring_in_one_process(pieces, cfgs)
+    assert [tuple(t.shape) for t in got[0]] == [(1, 4, 8, 16)] * 4
