@@ -22,8 +22,9 @@ dimension and put it back (see ``_cp_plan`` for the chunk layout; load balancing
   its head group of its Ulysses group's ring piece), the ring over the outer one.
 
 ``overlap=True`` (``AsyncContextParallel``; ring only) posts the next step's key/value transfer
-before this step's blocks, so they run together (the key/value gradients' transfer in backward
-is not overlapped). ``ContextParallel`` / ``AsyncContextParallel`` apply
+before this step's blocks, so they run together; in backward the key/value gradient
+accumulators' transfer also runs during the next block's kernels (they need the accumulators
+only to add into). ``ContextParallel`` / ``AsyncContextParallel`` apply
 it to an attention module through ``parallelize_module``: inside the module's forward, calls
 to ``torch.nn.functional.scaled_dot_product_attention`` become context-parallel.
 """
@@ -622,6 +623,7 @@ class _Shift:
     def wait(self) -> list[torch.Tensor]:
         if self.work is not None:
             self.work.wait()
+            self.work = None  # waited once: a second wait returns the same tensors
         self._keep = None
         sizes = [math.prod(s) for s in self.shapes]
         return [p.view(s) for p, s in zip(self.buf.split(sizes), self.shapes)]
@@ -808,14 +810,19 @@ class _RankGrads:
             )
         return contributions
 
-    def ring_step(self, i: int, kb, vb, dkb, dvb):
-        """Ring step ``i`` (rank ``src = rank - i``'s block ``kb``, ``vb``): this rank's
-        contributions folded into the block's travelling gradient accumulators ``dkb``, ``dvb``
-        (None at step 0, where they start); returns them, at the last step (complete, on their
-        way home) in the keys' and values' dtype: the rounding is the same before the last
-        transfer as after it, and for 16-bit inputs that transfer carries half the bytes."""
-        src = (self.cfg.rank - i) % self.cfg.cp
-        parts = self.block(src, kb, vb)
+    def ring_block(self, i: int, kb, vb) -> list:
+        """Ring step ``i``'s kernels (rank ``src = rank - i``'s block ``kb``, ``vb``): the
+        query gradient folded in, the block's key/value contributions returned for
+        :meth:`ring_fold` (they need no accumulator yet: with ``overlap`` the accumulators'
+        transfer is still in flight meanwhile)."""
+        return self.block((self.cfg.rank - i) % self.cfg.cp, kb, vb)
+
+    def ring_fold(self, i: int, parts: list, kb, vb, dkb, dvb):
+        """Step ``i``'s contributions ``parts`` folded into the block's travelling gradient
+        accumulators ``dkb``, ``dvb`` (None at step 0, where they start); returns them, at the
+        last step (complete, on their way home) in the keys' and values' dtype: the rounding is
+        the same before the last transfer as after it, and for 16-bit inputs that transfer
+        carries half the bytes."""
         last = i == self.cfg.cp - 1
         dkb = _fold_block(dkb, kb, [(lo, hi, gk) for lo, hi, gk, _ in parts], last)
         dvb = _fold_block(dvb, vb, [(lo, hi, gv) for lo, hi, _, gv in parts], last)
@@ -869,15 +876,22 @@ def _backward(dout, q, k, v, out, lse, aux, cfg: _Config):
         platform.reduce_scatter_into(dk, dks.view(-1, *k.shape[1:]), "sum", group)
         platform.reduce_scatter_into(dv, dvs.view(-1, *v.shape[1:]), "sum", group)
         return grads.dq_result(), dk.to(k.dtype), dv.to(v.dtype)
-    # ring: each block's gradient accumulators travel with it and come home after cp shifts
-    kb, vb, dkb, dvb = k, v, None, None
+    # ring: each block's gradient accumulators travel with it and come home after cp shifts;
+    # with overlap, the next block's keys/values and this block's accumulators are in flight
+    # while the next block's kernels run (they need the accumulators only to fold into)
+    kb, vb, acc = k, v, None
     for i in range(cfg.cp):
         last = i == cfg.cp - 1
         kv_next = _Shift([kb, vb], cfg) if cfg.overlap and not last else None
-        dkb, dvb = grads.ring_step(i, kb, vb, dkb, dvb)
+        parts = grads.ring_block(i, kb, vb)
+        dkb, dvb = (None, None) if acc is None else acc.wait()
+        dkb, dvb = grads.ring_fold(i, parts, kb, vb, dkb, dvb)
+        acc = _Shift([dkb, dvb], cfg)
+        if not cfg.overlap:
+            acc.wait()
         if not last:
             kb, vb = (kv_next or _Shift([kb, vb], cfg)).wait()
-        dkb, dvb = _Shift([dkb, dvb], cfg).wait()
+    dkb, dvb = acc.wait()
     return grads.dq_result(), dkb, dvb
 
 
@@ -898,10 +912,10 @@ def _ring_in_one_process(pieces, cfgs: list[_Config]):
         outs.append(out)
     held = [(None, None)] * cp  # the accumulators at each rank, of block (rank - i)
     for i in range(cp):
-        sent = [
-            grads[r].ring_step(i, pieces[(r - i) % cp][1], pieces[(r - i) % cp][2], *held[r])
-            for r in range(cp)
-        ]
+        sent = []
+        for r in range(cp):
+            kb, vb = pieces[(r - i) % cp][1], pieces[(r - i) % cp][2]
+            sent.append(grads[r].ring_fold(i, grads[r].ring_block(i, kb, vb), kb, vb, *held[r]))
         held = [sent[(r - 1) % cp] for r in range(cp)]
     return [(outs[r], grads[r].dq_result(), *held[r]) for r in range(cp)]
 
@@ -1378,8 +1392,8 @@ class ContextParallel(ParallelStyle):
 
 class AsyncContextParallel(ContextParallel):
     """``ContextParallel`` whose ring posts the next key/value transfer before the current
-    step's blocks (``overlap=True``), in forward and backward (the gradients' transfer back is
-    not overlapped). Ring only."""
+    step's blocks (``overlap=True``), in forward and backward, and in backward sends the
+    key/value gradient accumulators on while the next block's kernels run. Ring only."""
 
     overlap = True
 
