@@ -365,6 +365,14 @@ def _shard_and_errors():
     dist.all_reduce(grad)
     r["loss_value"] = torch.allclose(value / 2, want, rtol=1e-12)
     r["loss_grad"] = torch.allclose(grad / 2, want_grad, rtol=1e-10, atol=1e-14)
+    # under autocast, as SDPA: mixed dtypes taken, the result in autocast's dtype
+    qa, ka, va = (
+        torch.randn(1, 4, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = context_parallel_attention(qa, ka.bfloat16(), va, mesh)
+    want = context_parallel_attention(qa.bfloat16(), ka.bfloat16(), va.bfloat16(), mesh)
+    r["autocast"] = got.dtype == torch.bfloat16 and torch.equal(got, want)
     q = torch.randn(1, 4, 3, 8)
     errors = {
         "seq": lambda: context_parallel_attention(q, q, q, mesh),  # 6 not divisible by 4

@@ -187,6 +187,8 @@ CASES = {  # name: (cp, causal, load_balance, kv heads, value head dim, document
     "cp2 narrow values": (2, True, True, 4, 8, None),
     "cp3 documents": (3, True, True, 4, 16, (5, 11, 8)),
     "cp2 documents full": (2, False, True, 2, 16, (7, 17)),
+    # rows that see nothing in several blocks: the own block must come first, as in the ring
+    "cp4 short documents": (4, True, True, 4, 16, (2, 7, 8, 14, 1)),
 }
 
 

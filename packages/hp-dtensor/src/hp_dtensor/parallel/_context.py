@@ -769,7 +769,7 @@ def _query_rows(rows: dict | None, dout, q, out, lse, qlo: int, qhi: int) -> tup
 class _RankGrads:
     """One rank's part of the blockwise backward: its queries' gradient, summed over every
     rank's key/value block (:meth:`block`), and the blocks' key/value gradients handed back
-    per block for the caller to move (:meth:`ring_step` folds them into the ring's travelling
+    per block for the caller to move (:meth:`ring_fold` folds them into the ring's travelling
     accumulators). Made once per backward: it also keeps the dense query rows
     (:func:`_query_rows`)."""
 
@@ -884,9 +884,9 @@ def _backward(dout, q, k, v, out, lse, aux, cfg: _Config):
         last = i == cfg.cp - 1
         kv_next = _Shift([kb, vb], cfg) if cfg.overlap and not last else None
         parts = grads.ring_block(i, kb, vb)
-        dkb, dvb = (None, None) if acc is None else acc.wait()
-        dkb, dvb = grads.ring_fold(i, parts, kb, vb, dkb, dvb)
-        acc = _Shift([dkb, dvb], cfg)
+        held = (None, None) if acc is None else acc.wait()
+        acc = _Shift(list(grads.ring_fold(i, parts, kb, vb, *held)), cfg)
+        del parts, held  # sent (copied): not kept alive through the next block's kernels
         if not cfg.overlap:
             acc.wait()
         if not last:
@@ -906,7 +906,8 @@ def _ring_in_one_process(pieces, cfgs: list[_Config]):
     grads, outs = [], []
     for r, cfg in enumerate(cfgs):
         q, _, v, dout = pieces[r]
-        blocks = [(src, pieces[src][1], pieces[src][2]) for src in range(cp)]
+        order = [(r - j) % cp for j in range(cp)]  # the ring's: this rank's own block first
+        blocks = [(src, pieces[src][1], pieces[src][2]) for src in order]
         out, lse, aux = _forward(q, None, v, cfg, blocks=blocks)
         grads.append(_RankGrads(dout, q, out, lse, aux, cfg))
         outs.append(out)
@@ -1119,6 +1120,28 @@ def context_parallel_attention(
     fn = "context_parallel_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(t, name, fn)
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        # as scaled_dot_product_attention under autocast: in autocast's dtype, whatever q, k
+        # and v come in; inside, autocast off (the merge and the math kernel keep float32)
+        dtype = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            return context_parallel_attention(
+                *(t.to(dtype) for t in (q, k, v)),
+                mesh,
+                is_causal=is_causal,
+                method=method,
+                load_balance=load_balance,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                overlap=overlap,
+                document_lengths=document_lengths,
+            )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ContextParallelError(
+            f"{fn}: q ({q.dtype}), k ({k.dtype}) and v ({v.dtype}) must share a dtype, as "
+            "scaled_dot_product_attention requires outside autocast: cast them to one"
+        )
     if method == "usp":
         return _usp_entry(
             q, k, v, mesh, is_causal, load_balance, scale, enable_gqa, overlap, document_lengths
@@ -1143,11 +1166,6 @@ def context_parallel_attention(
         raise ContextParallelError(
             f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
             "the batch and the local sequence length"
-        )
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ContextParallelError(
-            f"{fn}: q ({q.dtype}), k ({k.dtype}) and v ({v.dtype}) must share a dtype, as "
-            "scaled_dot_product_attention requires: cast them to one"
         )
     if k.shape[3] != d or v.shape[1] != k.shape[1]:
         raise ContextParallelError(
