@@ -1087,6 +1087,21 @@ def context_parallel_attention(
     """
     from .._dtensor import DTensor
 
+    def again(q, k, v):  # this call on other q, k, v (local pieces, or autocast's dtype)
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            mesh,
+            is_causal=is_causal,
+            method=method,
+            load_balance=load_balance,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            overlap=overlap,
+            document_lengths=document_lengths,
+        )
+
     if any(isinstance(t, DTensor) for t in (q, k, v)):  # tensor-parallel heads: local pieces
         from .._placement import Replicate, Shard
 
@@ -1103,19 +1118,7 @@ def context_parallel_attention(
                     for t in (q, k, v)
                 )
             )
-        out = context_parallel_attention(
-            q.to_local(),
-            k.to_local(),
-            v.to_local(),
-            mesh,
-            is_causal=is_causal,
-            method=method,
-            load_balance=load_balance,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            overlap=overlap,
-            document_lengths=document_lengths,
-        )
+        out = again(q.to_local(), k.to_local(), v.to_local())
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
     fn = "context_parallel_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1126,17 +1129,7 @@ def context_parallel_attention(
         # and v come in; inside, autocast off (the merge and the math kernel keep float32)
         dtype = torch.get_autocast_dtype(dev)
         with torch.autocast(dev, enabled=False):
-            return context_parallel_attention(
-                *(t.to(dtype) for t in (q, k, v)),
-                mesh,
-                is_causal=is_causal,
-                method=method,
-                load_balance=load_balance,
-                scale=scale,
-                enable_gqa=enable_gqa,
-                overlap=overlap,
-                document_lengths=document_lengths,
-            )
+            return again(*(t.to(dtype) for t in (q, k, v)))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ContextParallelError(
             f"{fn}: q ({q.dtype}), k ({k.dtype}) and v ({v.dtype}) must share a dtype, as "
